@@ -1,0 +1,44 @@
+# mgpu — see README.md. Every target is documented there.
+GO          ?= go
+BUILD       := $(CURDIR)/build
+CACHE_DIR   ?= /var/cache/mgpu
+VERSION     ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+COMMIT      ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
+GO_LDFLAGS  := -X github.com/mgpu-dev/mgpu/internal/version.Version=$(VERSION) \
+               -X github.com/mgpu-dev/mgpu/internal/version.Commit=$(COMMIT)
+# go-nvml's cgo prologue declares deprecated NVML calls; keep builds quiet.
+export CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
+export PATH := $(CACHE_DIR)/bin:$(PATH)
+
+# C components, each with its own Makefile (BUILD= is passed down).
+C_DIRS := $(patsubst %/Makefile,%,$(wildcard test/fakecuda/Makefile test/workload/Makefile enforcer/shim/Makefile))
+
+.PHONY: all build go c test deps lint e2e bench demo package clean
+
+all: build
+
+build: go c
+
+go:
+	$(GO) build -ldflags "$(GO_LDFLAGS)" -o $(BUILD)/bin/ ./cmd/...
+
+c:
+	@set -e; for d in $(C_DIRS); do $(MAKE) --no-print-directory -C $$d BUILD=$(BUILD); done
+
+# deps installs what the tests need (idempotent; apt packages need root).
+deps:
+	@scripts/deps.sh
+
+test: deps build
+	$(GO) test -race -timeout 30m ./...
+
+lint: deps
+	$(GO) vet ./...
+	golangci-lint run ./...
+	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { echo "gofmt needed:"; gofmt -l $$(git ls-files '*.go'); exit 1; }
+
+demo: build
+	$(BUILD)/bin/mgpu-cli --config packaging/config/sim-node.toml device info -a
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,411 @@
+// Package config loads and validates the node configuration,
+// /etc/mgpu/config.toml: a versioned TOML file with strict decoding (unknown
+// keys are errors) and defaults kept in one place (Default).
+package config
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/BurntSushi/toml"
+
+	"github.com/mgpu-dev/mgpu/internal/policy"
+)
+
+// DefaultPath is where the node configuration lives.
+const DefaultPath = "/etc/mgpu/config.toml"
+
+// EnvPath names the environment variable that overrides DefaultPath.
+const EnvPath = "MGPU_CONFIG"
+
+// Version is the only configuration version this build reads.
+const Version = 1
+
+// Backend names how GPUs are discovered.
+const (
+	BackendNVML = "nvml"
+	BackendSim  = "sim"
+)
+
+// Config is the node configuration (version 1).
+type Config struct {
+	Version int `toml:"version"`
+	// Backend is "nvml" (real GPUs through the NVIDIA driver) or "sim"
+	// (GPUs described in [sim]).
+	Backend string `toml:"backend"`
+	// RunDir holds per-device sockets and regions: RunDir/gpuX/...
+	RunDir string `toml:"run_dir"`
+	// StateDir holds per-device instance tables: StateDir/gpuX/...
+	StateDir string `toml:"state_dir"`
+	// Prefix is the installation prefix of the binaries and the shim
+	// (Prefix/bin/mgpu-hook, Prefix/lib/mgpu/libmgpu-shim.so).
+	Prefix string `toml:"prefix"`
+	// CDIKind is the CDI device kind, vendor/class.
+	CDIKind string `toml:"cdi_kind"`
+	// CDISpecDir is where `mgpu-cli cdi generate` writes the spec.
+	CDISpecDir string `toml:"cdi_spec_dir"`
+
+	Defaults DeviceSettings `toml:"defaults"`
+	Devices  []DeviceConfig `toml:"device"`
+	Sim      SimConfig      `toml:"sim"`
+
+	// path is the file this configuration was read from ("" for defaults).
+	path string
+}
+
+// DeviceSettings are the per-device settings; [defaults] sets them for every
+// device and a [[device]] entry overrides them for one.
+type DeviceSettings struct {
+	// ComputePolicy is the device's compute policy.
+	ComputePolicy policy.Policy `toml:"compute_policy"`
+	// ComputeTimeslice is the arbitration period in milliseconds.
+	ComputeTimeslice int `toml:"compute_timeslice"`
+	// ComputeTimesliceNativeBurst is the native-burst-share slice in
+	// microseconds.
+	ComputeTimesliceNativeBurst int `toml:"compute_timeslice_native_burst"`
+	// MaxInstances is the most instances the device admits.
+	MaxInstances int `toml:"max_instances"`
+}
+
+// DeviceConfig overrides the defaults for the device with the given index.
+// Zero values inherit from [defaults].
+type DeviceConfig struct {
+	Index                       int            `toml:"index"`
+	ComputePolicy               *policy.Policy `toml:"compute_policy"`
+	ComputeTimeslice            int            `toml:"compute_timeslice"`
+	ComputeTimesliceNativeBurst int            `toml:"compute_timeslice_native_burst"`
+	MaxInstances                int            `toml:"max_instances"`
+}
+
+// SimConfig describes the simulated GPUs of the sim backend.
+type SimConfig struct {
+	GPUs []SimGPU `toml:"gpu"`
+}
+
+// SimGPU is one simulated GPU.
+type SimGPU struct {
+	Name      string `toml:"name"`
+	MemoryMiB int64  `toml:"memory_mib"`
+	// UUID is optional; the default is derived from the index (SimUUID).
+	UUID string `toml:"uuid"`
+}
+
+// Limits of the settings, also used in error messages.
+const (
+	MinTimesliceMS            = 1
+	MaxTimesliceMS            = 10000
+	MinNativeTimesliceUS      = 100
+	MaxNativeTimesliceUS      = 1000000
+	MaxMaxInstances           = 128 // MGPU_REGION_MAX_PROCS bounds processes, not instances; keep tables small
+	DefaultTimesliceMS        = 100
+	DefaultNativeTimesliceUS  = 4096
+	DefaultMaxInstances       = 16
+	DefaultRunDir             = "/run/mgpu"
+	DefaultStateDir           = "/var/lib/mgpu"
+	DefaultPrefix             = "/usr"
+	DefaultCDIKind            = "mgpu.io/gpu"
+	DefaultCDISpecDir         = "/var/run/cdi"
+	defaultSimName            = "Simulated-GPU-80GB"
+	defaultSimMemoryMiB int64 = 81920
+)
+
+// Default returns the configuration used when a key is not set.
+func Default() *Config {
+	return &Config{
+		Version:    Version,
+		Backend:    BackendNVML,
+		RunDir:     DefaultRunDir,
+		StateDir:   DefaultStateDir,
+		Prefix:     DefaultPrefix,
+		CDIKind:    DefaultCDIKind,
+		CDISpecDir: DefaultCDISpecDir,
+		Defaults: DeviceSettings{
+			ComputePolicy:               policy.FixedShare,
+			ComputeTimeslice:            DefaultTimesliceMS,
+			ComputeTimesliceNativeBurst: DefaultNativeTimesliceUS,
+			MaxInstances:                DefaultMaxInstances,
+		},
+	}
+}
+
+// Path returns the file the configuration was loaded from, or "" when it
+// holds defaults only.
+func (c *Config) Path() string { return c.path }
+
+// Device returns the effective settings of device index.
+func (c *Config) Device(index int) DeviceSettings {
+	s := c.Defaults
+	for _, d := range c.Devices {
+		if d.Index != index {
+			continue
+		}
+		if d.ComputePolicy != nil {
+			s.ComputePolicy = *d.ComputePolicy
+		}
+		if d.ComputeTimeslice != 0 {
+			s.ComputeTimeslice = d.ComputeTimeslice
+		}
+		if d.ComputeTimesliceNativeBurst != 0 {
+			s.ComputeTimesliceNativeBurst = d.ComputeTimesliceNativeBurst
+		}
+		if d.MaxInstances != 0 {
+			s.MaxInstances = d.MaxInstances
+		}
+	}
+	return s
+}
+
+// Period returns the arbitration period as a duration.
+func (s DeviceSettings) Period() time.Duration {
+	return time.Duration(s.ComputeTimeslice) * time.Millisecond
+}
+
+// NativeSlice returns the native-burst-share slice as a duration.
+func (s DeviceSettings) NativeSlice() time.Duration {
+	return time.Duration(s.ComputeTimesliceNativeBurst) * time.Microsecond
+}
+
+// DeviceRunDir is RunDir/gpuX.
+func (c *Config) DeviceRunDir(index int) string {
+	return filepath.Join(c.RunDir, fmt.Sprintf("gpu%d", index))
+}
+
+// DeviceStateDir is StateDir/gpuX.
+func (c *Config) DeviceStateDir(index int) string {
+	return filepath.Join(c.StateDir, fmt.Sprintf("gpu%d", index))
+}
+
+// SimUUID is the UUID of simulated GPU index when the config gives none. The
+// simulated driver (test/fakecuda) derives the same value.
+func SimUUID(index int) string {
+	return fmt.Sprintf("GPU-5a1e0000-0000-4000-8000-%012x", index)
+}
+
+// Error is a configuration error: the file, the line (0 when unknown) and the
+// key it is about.
+type Error struct {
+	File string
+	Line int
+	Key  string
+	Err  error
+}
+
+func (e *Error) Error() string {
+	var b strings.Builder
+	b.WriteString(e.File)
+	if e.Line > 0 {
+		fmt.Fprintf(&b, ":%d", e.Line)
+	}
+	if e.Key != "" {
+		fmt.Fprintf(&b, ": key %q", e.Key)
+	}
+	fmt.Fprintf(&b, ": %v", e.Err)
+	return b.String()
+}
+
+func (e *Error) Unwrap() error { return e.Err }
+
+// ErrNotFound is returned (wrapped) by Load when the file does not exist.
+var ErrNotFound = errors.New("configuration file not found")
+
+// Resolve returns the configuration path to use: flag, then MGPU_CONFIG,
+// then DefaultPath.
+func Resolve(flagPath string) string {
+	if flagPath != "" {
+		return flagPath
+	}
+	if p := os.Getenv(EnvPath); p != "" {
+		return p
+	}
+	return DefaultPath
+}
+
+// Load reads and validates the configuration at path.
+func Load(path string) (*Config, error) {
+	data, err := os.ReadFile(path) //nolint:gosec // the path is the operator's choice
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, &Error{File: path, Err: fmt.Errorf("%w (create it, or pass --config / set %s)", ErrNotFound, EnvPath)}
+		}
+		return nil, &Error{File: path, Err: err}
+	}
+	return Parse(path, data)
+}
+
+// Parse decodes and validates configuration text; name is used in errors.
+func Parse(name string, data []byte) (*Config, error) {
+	c := Default()
+	c.path = name
+	lines := indexKeys(data)
+	md, err := toml.NewDecoder(bytes.NewReader(data)).Decode(c)
+	if err != nil {
+		return nil, decodeError(name, data, lines, err)
+	}
+	if und := md.Undecoded(); len(und) > 0 {
+		k := und[0].String()
+		return nil, &Error{File: name, Line: lines.line(k), Key: k, Err: errors.New("unknown key")}
+	}
+	if !md.IsDefined("version") {
+		return nil, &Error{File: name, Line: 1, Key: "version", Err: fmt.Errorf("missing; add version = %d", Version)}
+	}
+	if err := c.validate(); err != nil {
+		var ve *Error
+		if errors.As(err, &ve) {
+			ve.File = name
+			if ve.Line == 0 {
+				ve.Line = lines.line(ve.Key)
+			}
+		}
+		return nil, err
+	}
+	return c, nil
+}
+
+func decodeError(name string, data []byte, lines keyLines, err error) error {
+	var pe toml.ParseError
+	if errors.As(err, &pe) {
+		msg := pe.Message
+		if msg == "" {
+			msg = pe.Error()
+		}
+		line := pe.Position.Line
+		// The library counts an unexpected newline as the start of the
+		// next line; name the line the user has to fix.
+		if st := pe.Position.Start; st >= 0 && st < len(data) {
+			line = 1 + bytes.Count(data[:st], []byte("\n"))
+		}
+		e := &Error{File: name, Line: line, Err: errors.New(msg)}
+		if pe.LastKey != "" {
+			e.Key = pe.LastKey
+		}
+		return e
+	}
+	// Type and TextUnmarshaler errors carry the key in the message only
+	// ("toml: line 3 (last key "defaults.compute_policy"): ...").
+	msg := err.Error()
+	key := ""
+	if i := strings.Index(msg, `(last key "`); i >= 0 {
+		rest := msg[i+len(`(last key "`):]
+		if j := strings.Index(rest, `"`); j >= 0 {
+			key = rest[:j]
+		}
+	}
+	line := lines.line(key)
+	if m := lineRE.FindStringSubmatch(msg); m != nil {
+		line, _ = strconv.Atoi(m[1])
+	}
+	if i := strings.Index(msg, "): "); i >= 0 {
+		msg = msg[i+3:]
+	}
+	msg = strings.TrimPrefix(msg, "toml: ")
+	return &Error{File: name, Line: line, Key: key, Err: errors.New(msg)}
+}
+
+var lineRE = regexp.MustCompile(`^toml: line (\d+)`)
+
+func (c *Config) validate() error {
+	if c.Version != Version {
+		return &Error{Key: "version", Err: fmt.Errorf("unsupported version %d (this build reads version %d)", c.Version, Version)}
+	}
+	switch c.Backend {
+	case BackendNVML, BackendSim:
+	default:
+		return &Error{Key: "backend", Err: fmt.Errorf("unknown backend %q (want %q or %q)", c.Backend, BackendNVML, BackendSim)}
+	}
+	for _, d := range []struct{ key, val string }{
+		{"run_dir", c.RunDir}, {"state_dir", c.StateDir}, {"prefix", c.Prefix}, {"cdi_spec_dir", c.CDISpecDir},
+	} {
+		if !filepath.IsAbs(d.val) {
+			return &Error{Key: d.key, Err: fmt.Errorf("must be an absolute path, got %q", d.val)}
+		}
+	}
+	if err := validateKind(c.CDIKind); err != nil {
+		return &Error{Key: "cdi_kind", Err: err}
+	}
+	if err := validateSettings("defaults", c.Defaults, false); err != nil {
+		return err
+	}
+	seen := map[int]bool{}
+	for i, d := range c.Devices {
+		key := fmt.Sprintf("device[%d]", i)
+		if d.Index < 0 {
+			return &Error{Key: key + ".index", Err: fmt.Errorf("must be >= 0, got %d", d.Index)}
+		}
+		if seen[d.Index] {
+			return &Error{Key: key + ".index", Err: fmt.Errorf("duplicate device index %d", d.Index)}
+		}
+		seen[d.Index] = true
+		s := DeviceSettings{
+			ComputeTimeslice:            d.ComputeTimeslice,
+			ComputeTimesliceNativeBurst: d.ComputeTimesliceNativeBurst,
+			MaxInstances:                d.MaxInstances,
+		}
+		if d.ComputePolicy != nil {
+			s.ComputePolicy = *d.ComputePolicy
+		}
+		if err := validateSettings(key, s, true); err != nil {
+			return err
+		}
+	}
+	if c.Backend == BackendSim && len(c.Sim.GPUs) == 0 {
+		return &Error{Key: "backend", Err: errors.New(`backend = "sim" needs at least one [[sim.gpu]] table`)}
+	}
+	uuids := map[string]bool{}
+	for i, g := range c.Sim.GPUs {
+		key := fmt.Sprintf("sim.gpu[%d]", i)
+		if g.Name == "" {
+			c.Sim.GPUs[i].Name = defaultSimName
+		}
+		switch {
+		case g.MemoryMiB == 0:
+			c.Sim.GPUs[i].MemoryMiB = defaultSimMemoryMiB
+		case g.MemoryMiB < 0:
+			return &Error{Key: key + ".memory_mib", Err: fmt.Errorf("must be positive, got %d", g.MemoryMiB)}
+		case g.MemoryMiB > 1<<24:
+			return &Error{Key: key + ".memory_mib", Err: fmt.Errorf("%d MiB is more than any GPU has (max %d)", g.MemoryMiB, 1<<24)}
+		}
+		if g.UUID == "" {
+			c.Sim.GPUs[i].UUID = SimUUID(i)
+		} else if !strings.HasPrefix(g.UUID, "GPU-") || len(g.UUID) < 8 {
+			return &Error{Key: key + ".uuid", Err: fmt.Errorf("must look like GPU-<uuid>, got %q", g.UUID)}
+		}
+		if uuids[c.Sim.GPUs[i].UUID] {
+			return &Error{Key: key + ".uuid", Err: fmt.Errorf("duplicate uuid %q", c.Sim.GPUs[i].UUID)}
+		}
+		uuids[c.Sim.GPUs[i].UUID] = true
+	}
+	return nil
+}
+
+// validateSettings checks one settings block; in an override, zero means
+// "inherit".
+func validateSettings(prefix string, s DeviceSettings, override bool) error {
+	if !s.ComputePolicy.Valid() {
+		return &Error{Key: prefix + ".compute_policy", Err: fmt.Errorf("invalid compute policy %d", uint32(s.ComputePolicy))}
+	}
+	if !(override && s.ComputeTimeslice == 0) && (s.ComputeTimeslice < MinTimesliceMS || s.ComputeTimeslice > MaxTimesliceMS) {
+		return &Error{Key: prefix + ".compute_timeslice", Err: fmt.Errorf("must be %d..%d (milliseconds), got %d", MinTimesliceMS, MaxTimesliceMS, s.ComputeTimeslice)}
+	}
+	if !(override && s.ComputeTimesliceNativeBurst == 0) && (s.ComputeTimesliceNativeBurst < MinNativeTimesliceUS || s.ComputeTimesliceNativeBurst > MaxNativeTimesliceUS) {
+		return &Error{Key: prefix + ".compute_timeslice_native_burst", Err: fmt.Errorf("must be %d..%d (microseconds), got %d", MinNativeTimesliceUS, MaxNativeTimesliceUS, s.ComputeTimesliceNativeBurst)}
+	}
+	if !(override && s.MaxInstances == 0) && (s.MaxInstances < 1 || s.MaxInstances > MaxMaxInstances) {
+		return &Error{Key: prefix + ".max_instances", Err: fmt.Errorf("must be 1..%d, got %d", MaxMaxInstances, s.MaxInstances)}
+	}
+	return nil
+}
+
+func validateKind(kind string) error {
+	vendor, class, ok := strings.Cut(kind, "/")
+	if !ok || vendor == "" || class == "" || strings.Contains(class, "/") {
+		return fmt.Errorf("must be vendor/class, e.g. %q, got %q", DefaultCDIKind, kind)
+	}
+	return nil
+}

@@ -1,0 +1,174 @@
+package config
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mgpu-dev/mgpu/internal/policy"
+)
+
+const simHeader = "version = 1\nbackend = \"sim\"\n[[sim.gpu]]\n"
+
+func TestShippedConfigsLoad(t *testing.T) {
+	t.Parallel()
+	for _, name := range []string{"config.toml", "sim-node.toml"} {
+		c, err := Load(filepath.Join("..", "..", "packaging", "config", name))
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if c.Defaults.ComputePolicy != policy.FixedShare || c.Defaults.MaxInstances != 16 {
+			t.Errorf("%s: defaults %+v", name, c.Defaults)
+		}
+	}
+	c, _ := Load("../../packaging/config/sim-node.toml")
+	if len(c.Sim.GPUs) != 2 || c.Sim.GPUs[1].MemoryMiB != 81920 || c.Sim.GPUs[1].UUID != SimUUID(1) {
+		t.Errorf("sim GPUs %+v", c.Sim.GPUs)
+	}
+}
+
+func TestDefaultsAndOverrides(t *testing.T) {
+	t.Parallel()
+	c, err := Parse("c.toml", []byte(`version = 1
+backend = "sim"
+[defaults]
+compute_timeslice = 50
+[[device]]
+index = 1
+compute_policy = "native-burst-share"
+max_instances = 4
+[[sim.gpu]]
+[[sim.gpu]]
+name = "Small"
+memory_mib = 1024
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d0, d1 := c.Device(0), c.Device(1)
+	if d0.ComputePolicy != policy.FixedShare || d0.Period() != 50*time.Millisecond || d0.MaxInstances != 16 {
+		t.Errorf("device 0: %+v", d0)
+	}
+	if d1.ComputePolicy != policy.NativeBurstShare || d1.Period() != 50*time.Millisecond || d1.MaxInstances != 4 {
+		t.Errorf("device 1: %+v", d1)
+	}
+	if d1.NativeSlice() != 4096*time.Microsecond {
+		t.Errorf("native slice %v", d1.NativeSlice())
+	}
+	if c.Sim.GPUs[0].Name != defaultSimName || c.Sim.GPUs[0].MemoryMiB != defaultSimMemoryMiB {
+		t.Errorf("sim defaults not applied: %+v", c.Sim.GPUs[0])
+	}
+	if c.RunDir != DefaultRunDir || c.DeviceRunDir(1) != "/run/mgpu/gpu1" || c.DeviceStateDir(0) != "/var/lib/mgpu/gpu0" {
+		t.Errorf("dirs: %q %q %q", c.RunDir, c.DeviceRunDir(1), c.DeviceStateDir(0))
+	}
+}
+
+func TestErrors(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, text string
+		line       int
+		key, msg   string
+	}{
+		{"unknown key", simHeader + "[defaults]\nfoo = 1\n", 5, "defaults.foo", "unknown key"},
+		{"unknown top-level key", "version = 1\ncolour = 2\n", 2, "colour", "unknown key"},
+		{"bad policy", "version = 1\n[defaults]\ncompute_policy = \"fair\"\n", 3, "defaults.compute_policy", `unknown compute policy "fair"`},
+		{"bad device policy", "version = 1\n[[device]]\nindex = 0\ncompute_policy = \"x\"\n", 4, "device.compute_policy", `unknown compute policy "x"`},
+		{"negative memory", simHeader + "memory_mib = -1\n", 4, "sim.gpu[0].memory_mib", "must be positive"},
+		{"duplicate device", "version = 1\n[[device]]\nindex = 2\n[[device]]\nindex = 2\n", 5, "device[1].index", "duplicate device index 2"},
+		{"negative index", "version = 1\n[[device]]\nindex = -1\n", 3, "device[0].index", "must be >= 0"},
+		{"wrong type", "version = 1\nmax = 1\n", 2, "max", "unknown key"},
+		{"string for int", "version = 1\n[defaults]\nmax_instances = \"many\"\n", 3, "defaults.max_instances", "incompatible types"},
+		{"zero timeslice", "version = 1\n[defaults]\ncompute_timeslice = 0\n", 3, "defaults.compute_timeslice", "must be 1..10000"},
+		{"too many instances", "version = 1\n[defaults]\nmax_instances = 1000\n", 3, "defaults.max_instances", "must be 1..128"},
+		{"bad backend", "version = 1\nbackend = \"cuda\"\n", 2, "backend", `unknown backend "cuda"`},
+		{"sim without gpus", "version = 1\nbackend = \"sim\"\n", 2, "backend", "needs at least one"},
+		{"missing version", "backend = \"nvml\"\n", 1, "version", "missing"},
+		{"future version", "version = 2\n", 1, "version", "unsupported version 2"},
+		{"relative run dir", "version = 1\nrun_dir = \"run\"\n", 2, "run_dir", "absolute path"},
+		{"bad kind", "version = 1\ncdi_kind = \"gpu\"\n", 2, "cdi_kind", "vendor/class"},
+		{"bad uuid", simHeader + "uuid = \"abc\"\n", 4, "sim.gpu[0].uuid", "GPU-<uuid>"},
+		{"syntax", "version = 1\n[defaults\n", 2, "", "table name"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := Parse("/etc/mgpu/config.toml", []byte(tc.text))
+			var ce *Error
+			if !errors.As(err, &ce) {
+				t.Fatalf("got %v, want *config.Error", err)
+			}
+			if ce.File != "/etc/mgpu/config.toml" || ce.Line != tc.line || ce.Key != tc.key || !strings.Contains(ce.Err.Error(), tc.msg) {
+				t.Errorf("got %q (line %d key %q), want line %d key %q containing %q", err, ce.Line, ce.Key, tc.line, tc.key, tc.msg)
+			}
+			if strings.Contains(err.Error(), "\n") {
+				t.Errorf("error is not one line: %q", err)
+			}
+		})
+	}
+}
+
+func TestLoadMissingFile(t *testing.T) {
+	t.Parallel()
+	_, err := Load(filepath.Join(t.TempDir(), "nope.toml"))
+	if !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), "nope.toml") {
+		t.Fatalf("got %v", err)
+	}
+}
+
+func TestResolve(t *testing.T) {
+	t.Setenv(EnvPath, "/tmp/from-env.toml")
+	if got := Resolve("/x.toml"); got != "/x.toml" {
+		t.Errorf("flag: %q", got)
+	}
+	if got := Resolve(""); got != "/tmp/from-env.toml" {
+		t.Errorf("env: %q", got)
+	}
+	if err := os.Unsetenv(EnvPath); err != nil {
+		t.Fatal(err)
+	}
+	if got := Resolve(""); got != DefaultPath {
+		t.Errorf("default: %q", got)
+	}
+}
+
+func FuzzParse(f *testing.F) {
+	for _, name := range []string{"config.toml", "sim-node.toml"} {
+		if b, err := os.ReadFile(filepath.Join("..", "..", "packaging", "config", name)); err == nil {
+			f.Add(b)
+		}
+	}
+	f.Add([]byte(simHeader + "memory_mib = -1\n"))
+	f.Add([]byte("version = 1\n[[device]]\nindex = 2\n[[device]]\nindex = 2\n"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		c, err := Parse("fuzz.toml", data)
+		if err != nil {
+			var ce *Error
+			if !errors.As(err, &ce) {
+				t.Fatalf("error of type %T: %v", err, err)
+			}
+			if strings.ContainsAny(ce.Key, "\n") {
+				t.Fatalf("multi-line key in %q", err)
+			}
+			return
+		}
+		// Anything accepted must be valid by the rules the enforcer relies on.
+		if err := c.validate(); err != nil {
+			t.Fatalf("accepted config fails validation: %v", err)
+		}
+		seen := map[int]bool{}
+		for _, d := range c.Devices {
+			if seen[d.Index] || d.Index < 0 {
+				t.Fatalf("accepted bad device index %d", d.Index)
+			}
+			seen[d.Index] = true
+		}
+		for _, g := range c.Sim.GPUs {
+			if g.MemoryMiB <= 0 {
+				t.Fatalf("accepted memory %d", g.MemoryMiB)
+			}
+		}
+	})
+}
