@@ -99,21 +99,21 @@ type SimGPU struct {
 
 // Limits of the settings, also used in error messages.
 const (
-	MinTimesliceMS            = 1
-	MaxTimesliceMS            = 10000
-	MinNativeTimesliceUS      = 100
-	MaxNativeTimesliceUS      = 1000000
-	MaxMaxInstances           = 128 // MGPU_REGION_MAX_PROCS bounds processes, not instances; keep tables small
-	DefaultTimesliceMS        = 100
-	DefaultNativeTimesliceUS  = 4096
-	DefaultMaxInstances       = 16
-	DefaultRunDir             = "/run/mgpu"
-	DefaultStateDir           = "/var/lib/mgpu"
-	DefaultPrefix             = "/usr"
-	DefaultCDIKind            = "mgpu.io/gpu"
-	DefaultCDISpecDir         = "/var/run/cdi"
-	defaultSimName            = "Simulated-GPU-80GB"
-	defaultSimMemoryMiB int64 = 81920
+	MinTimesliceMS                 = 1
+	MaxTimesliceMS                 = 10000
+	MinNativeTimesliceUS           = 100
+	MaxNativeTimesliceUS           = 1000000
+	MaxMaxInstances                = 128 // MGPU_REGION_MAX_PROCS bounds processes, not instances; keep tables small
+	DefaultTimesliceMS             = 100
+	DefaultNativeTimesliceUS       = 4096
+	DefaultMaxInstances            = 16
+	DefaultRunDir                  = "/run/mgpu"
+	DefaultStateDir                = "/var/lib/mgpu"
+	DefaultPrefix                  = "/usr"
+	DefaultCDIKind                 = "mgpu.io/gpu"
+	DefaultCDISpecDir              = "/var/run/cdi"
+	defaultSimName                 = "Simulated-GPU-80GB"
+	defaultSimMemoryMiB      int64 = 81920
 )
 
 // Default returns the configuration used when a key is not set.
@@ -390,13 +390,15 @@ func validateSettings(prefix string, s DeviceSettings, override bool) error {
 	if !s.ComputePolicy.Valid() {
 		return &Error{Key: prefix + ".compute_policy", Err: fmt.Errorf("invalid compute policy %d", uint32(s.ComputePolicy))}
 	}
-	if !(override && s.ComputeTimeslice == 0) && (s.ComputeTimeslice < MinTimesliceMS || s.ComputeTimeslice > MaxTimesliceMS) {
+	// outside reports a value out of lo..hi; in an override 0 inherits.
+	outside := func(v, lo, hi int) bool { return (!override || v != 0) && (v < lo || v > hi) }
+	if outside(s.ComputeTimeslice, MinTimesliceMS, MaxTimesliceMS) {
 		return &Error{Key: prefix + ".compute_timeslice", Err: fmt.Errorf("must be %d..%d (milliseconds), got %d", MinTimesliceMS, MaxTimesliceMS, s.ComputeTimeslice)}
 	}
-	if !(override && s.ComputeTimesliceNativeBurst == 0) && (s.ComputeTimesliceNativeBurst < MinNativeTimesliceUS || s.ComputeTimesliceNativeBurst > MaxNativeTimesliceUS) {
+	if outside(s.ComputeTimesliceNativeBurst, MinNativeTimesliceUS, MaxNativeTimesliceUS) {
 		return &Error{Key: prefix + ".compute_timeslice_native_burst", Err: fmt.Errorf("must be %d..%d (microseconds), got %d", MinNativeTimesliceUS, MaxNativeTimesliceUS, s.ComputeTimesliceNativeBurst)}
 	}
-	if !(override && s.MaxInstances == 0) && (s.MaxInstances < 1 || s.MaxInstances > MaxMaxInstances) {
+	if outside(s.MaxInstances, 1, MaxMaxInstances) {
 		return &Error{Key: prefix + ".max_instances", Err: fmt.Errorf("must be 1..%d, got %d", MaxMaxInstances, s.MaxInstances)}
 	}
 	return nil

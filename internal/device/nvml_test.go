@@ -8,13 +8,14 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxa100"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
 )
 
 func TestNVMLWithDGXA100Mock(t *testing.T) {
 	t.Parallel()
-	server := dgxa100.New()
-	for i, d := range server.Devices {
-		md := d.(*dgxa100.Device)
+	srv := dgxa100.New()
+	for i, d := range srv.Devices {
+		md := d.(*server.Device)
 		idx := i
 		md.GetPciInfoFunc = func() (nvml.PciInfo, nvml.Return) {
 			var p nvml.PciInfo
@@ -31,7 +32,7 @@ func TestNVMLWithDGXA100Mock(t *testing.T) {
 			return nvml.TOPOLOGY_SYSTEM, nvml.SUCCESS
 		}
 	}
-	n, err := NewNVML(server)
+	n, err := NewNVML(srv)
 	if err != nil {
 		t.Fatal(err)
 	}
