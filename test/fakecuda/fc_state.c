@@ -1,0 +1,477 @@
+/* fc_state.c - shared device state of the simulated GPU (see fc_state.h). */
+#define _GNU_SOURCE
+#include "fc_state.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define FC_LIVENESS_POLL_NS 100000000L /* a dead owner is noticed within 100 ms */
+
+const char *fc_env_state_dir(void)
+{
+    const char *s = getenv("FAKECUDA_STATE_DIR");
+    return (s && *s) ? s : "/dev/shm/fakecuda";
+}
+
+static long env_long(const char *name, long def, long min, long max)
+{
+    const char *s = getenv(name);
+    if (!s || !*s)
+        return def;
+    char *end = NULL;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || *end || v < min || v > max) {
+        fprintf(stderr, "fakecuda: ignoring invalid %s=%s\n", name, s);
+        return def;
+    }
+    return v;
+}
+
+int fc_env_devices(void)
+{
+    return (int)env_long("FAKECUDA_DEVICES", 1, 0, FC_MAX_DEVICES);
+}
+
+uint64_t fc_env_memory_bytes(void)
+{
+    return (uint64_t)env_long("FAKECUDA_MEMORY_MIB", 81920, 1, 1L << 30) << 20;
+}
+
+const char *fc_env_name(void)
+{
+    const char *s = getenv("FAKECUDA_NAME");
+    return (s && *s) ? s : "Simulated-GPU-80GB";
+}
+
+void fc_uuid_bytes(int index, unsigned char out[16])
+{
+    static const unsigned char prefix[10] = {0x5a, 0x1e, 0, 0, 0, 0, 0x40, 0, 0x80, 0};
+    memcpy(out, prefix, sizeof(prefix));
+    uint64_t v = (uint64_t)(unsigned)index;
+    for (int i = 15; i >= 10; i--) {
+        out[i] = (unsigned char)(v & 0xff);
+        v >>= 8;
+    }
+}
+
+void fc_uuid_string(int index, char *buf, size_t len)
+{
+    snprintf(buf, len, "GPU-5a1e0000-0000-4000-8000-%012x", (unsigned)index);
+}
+
+uint64_t fc_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static int robust_init(pthread_mutex_t *m)
+{
+    pthread_mutexattr_t a;
+    int r = pthread_mutexattr_init(&a);
+    if (!r)
+        r = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    if (!r)
+        r = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    if (!r)
+        r = pthread_mutex_init(m, &a);
+    pthread_mutexattr_destroy(&a);
+    return r;
+}
+
+static int mkdir_p(const char *path)
+{
+    char buf[PATH_MAX];
+    if (snprintf(buf, sizeof(buf), "%s", path) >= (int)sizeof(buf)) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = 0;
+        if (mkdir(buf, 0777) && errno != EEXIST)
+            return -1;
+        *p = '/';
+    }
+    if (mkdir(buf, 0777) && errno != EEXIST)
+        return -1;
+    return 0;
+}
+
+static struct fc_dev *map_fd(int fd)
+{
+    struct stat st;
+    if (fstat(fd, &st))
+        return NULL;
+    if ((size_t)st.st_size != sizeof(struct fc_dev)) {
+        errno = EPROTO;
+        return NULL;
+    }
+    void *p = mmap(NULL, sizeof(struct fc_dev), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED)
+        return NULL;
+    struct fc_dev *d = p;
+    if (d->magic != FC_MAGIC || d->layout != FC_LAYOUT || d->size != sizeof(struct fc_dev)) {
+        munmap(p, sizeof(struct fc_dev));
+        errno = EPROTO;
+        return NULL;
+    }
+    return d;
+}
+
+/* Creates a fully initialised file under a private name, then publishes it
+ * with link(2); losing the race to another creator is fine. */
+static int create_file(const char *dir, const char *path, int index)
+{
+    char tmp[PATH_MAX];
+    if (snprintf(tmp, sizeof(tmp), "%s/.gpu%d.%d.tmp", dir, index, (int)getpid()) >= (int)sizeof(tmp)) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd < 0)
+        return -1;
+    int rc = -1;
+    if (fchmod(fd, 0666) || ftruncate(fd, (off_t)sizeof(struct fc_dev)))
+        goto out;
+    struct fc_dev *d = mmap(NULL, sizeof(*d), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (d == MAP_FAILED)
+        goto out;
+    d->layout = FC_LAYOUT;
+    d->index = (uint32_t)index;
+    d->size = sizeof(*d);
+    snprintf(d->name, sizeof(d->name), "%s", fc_env_name());
+    d->mem_total = fc_env_memory_bytes();
+    d->owner_proc = -1;
+    int bad = robust_init(&d->mu);
+    for (int i = 0; i < FC_MAX_PROCS && !bad; i++)
+        bad = robust_init(&d->procs[i].alive);
+    __atomic_store_n(&d->magic, FC_MAGIC, __ATOMIC_RELEASE);
+    munmap(d, sizeof(*d));
+    if (bad) {
+        errno = bad;
+        goto out;
+    }
+    if (link(tmp, path) && errno != EEXIST)
+        goto out;
+    rc = 0;
+out:
+    close(fd);
+    unlink(tmp);
+    return rc;
+}
+
+struct fc_dev *fc_dev_open(int index, int create)
+{
+    const char *dir = fc_env_state_dir();
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof(path), "%s/gpu%d", dir, index) >= (int)sizeof(path)) {
+        errno = ENAMETOOLONG;
+        return NULL;
+    }
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0 && errno == ENOENT && create) {
+        if (mkdir_p(dir) || create_file(dir, path, index))
+            return NULL;
+        fd = open(path, O_RDWR | O_CLOEXEC);
+    }
+    if (fd < 0)
+        return NULL;
+    struct fc_dev *d = map_fd(fd);
+    int e = errno;
+    close(fd);
+    errno = e;
+    return d;
+}
+
+void fc_dev_close(struct fc_dev *d)
+{
+    if (d)
+        munmap(d, sizeof(*d));
+}
+
+static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *ts)
+{
+    return syscall(SYS_futex, addr, op, val, ts, NULL, 0);
+}
+
+static void grant_next_locked(struct fc_dev *d);
+
+/* Repairs the bookkeeping after a process died inside d->mu. */
+static void repair_locked(struct fc_dev *d)
+{
+    uint32_t n = 0;
+    for (int i = 0; i < FC_MAX_WAITERS; i++)
+        if (d->wq[i].ticket)
+            n++;
+    d->nwait = n;
+    fc_reap_locked(d);
+    uint64_t used = 0;
+    for (int i = 0; i < FC_MAX_PROCS; i++)
+        if (d->procs[i].state == FC_PROC_ALIVE)
+            used += d->procs[i].mem_used;
+    d->mem_used = used;
+}
+
+void fc_dev_lock(struct fc_dev *d)
+{
+    int r = pthread_mutex_lock(&d->mu);
+    if (r == EOWNERDEAD) {
+        pthread_mutex_consistent(&d->mu);
+        repair_locked(d);
+    } else if (r) {
+        fprintf(stderr, "fakecuda: device %u state lock: %s\n", d->index, strerror(r));
+        abort();
+    }
+}
+
+void fc_dev_unlock(struct fc_dev *d)
+{
+    pthread_mutex_unlock(&d->mu);
+}
+
+static void reap_one_locked(struct fc_dev *d, int i)
+{
+    struct fc_proc *p = &d->procs[i];
+    d->mem_used = d->mem_used >= p->mem_used ? d->mem_used - p->mem_used : 0;
+    p->mem_used = 0;
+    p->state = FC_PROC_DEAD;
+    for (int w = 0; w < FC_MAX_WAITERS; w++) {
+        if (d->wq[w].ticket && d->wq[w].proc == i) {
+            d->wq[w].ticket = 0;
+            d->nwait--;
+        }
+    }
+    if (d->owner_ticket && d->owner_proc == i)
+        grant_next_locked(d);
+}
+
+int fc_proc_check_locked(struct fc_dev *d, int i)
+{
+    if (i < 0 || i >= FC_MAX_PROCS || d->procs[i].state != FC_PROC_ALIVE)
+        return 0;
+    pthread_mutex_t *m = &d->procs[i].alive;
+    int r = pthread_mutex_trylock(m);
+    if (r == EBUSY)
+        return 1;
+    if (r == EOWNERDEAD)
+        pthread_mutex_consistent(m);
+    if (r == 0 || r == EOWNERDEAD)
+        pthread_mutex_unlock(m);
+    else
+        robust_init(m); /* ENOTRECOVERABLE: start over */
+    reap_one_locked(d, i);
+    return 0;
+}
+
+void fc_reap_locked(struct fc_dev *d)
+{
+    for (int i = 0; i < FC_MAX_PROCS; i++)
+        if (d->procs[i].state == FC_PROC_ALIVE)
+            fc_proc_check_locked(d, i);
+}
+
+int fc_proc_register(struct fc_dev *d, int pid)
+{
+    fc_dev_lock(d);
+    fc_reap_locked(d);
+    int slot = -1;
+    for (int i = 0; i < FC_MAX_PROCS && slot < 0; i++)
+        if (d->procs[i].state == FC_PROC_FREE)
+            slot = i;
+    /* Table full: forget the exited process that did least. */
+    for (int i = 0; i < FC_MAX_PROCS && slot < 0; i++)
+        if (d->procs[i].state == FC_PROC_DEAD)
+            slot = i;
+    for (int i = slot + 1; slot >= 0 && i < FC_MAX_PROCS; i++)
+        if (d->procs[i].state == FC_PROC_DEAD && d->procs[slot].state == FC_PROC_DEAD &&
+            d->procs[i].busy_ns < d->procs[slot].busy_ns)
+            slot = i;
+    if (slot >= 0) {
+        struct fc_proc *p = &d->procs[slot];
+        int r = pthread_mutex_trylock(&p->alive);
+        if (r == EOWNERDEAD) {
+            pthread_mutex_consistent(&p->alive);
+            r = 0;
+        }
+        if (r) {
+            robust_init(&p->alive);
+            r = pthread_mutex_trylock(&p->alive);
+        }
+        if (r) {
+            slot = -1;
+        } else {
+            p->state = FC_PROC_ALIVE;
+            p->pid = pid;
+            p->busy_ns = 0;
+            p->mem_used = 0;
+            p->kernels = 0;
+        }
+    }
+    fc_dev_unlock(d);
+    return slot;
+}
+
+/* Hands the device to the oldest live waiter (or leaves it idle). */
+static void grant_next_locked(struct fc_dev *d)
+{
+    for (;;) {
+        int best = -1;
+        for (int w = 0; w < FC_MAX_WAITERS; w++)
+            if (d->wq[w].ticket && (best < 0 || d->wq[w].ticket < d->wq[best].ticket))
+                best = w;
+        if (best < 0) {
+            d->owner_ticket = 0;
+            d->owner_proc = -1;
+            break;
+        }
+        struct fc_waiter wt = d->wq[best];
+        d->wq[best].ticket = 0;
+        d->nwait--;
+        if (d->procs[wt.proc].state != FC_PROC_ALIVE)
+            continue;
+        /* The liveness check is a trylock, no system call. */
+        pthread_mutex_t *m = &d->procs[wt.proc].alive;
+        int r = pthread_mutex_trylock(m);
+        if (r != EBUSY) {
+            if (r == EOWNERDEAD)
+                pthread_mutex_consistent(m);
+            if (r == 0 || r == EOWNERDEAD)
+                pthread_mutex_unlock(m);
+            struct fc_proc *p = &d->procs[wt.proc];
+            d->mem_used = d->mem_used >= p->mem_used ? d->mem_used - p->mem_used : 0;
+            p->mem_used = 0;
+            p->state = FC_PROC_DEAD;
+            continue;
+        }
+        d->owner_ticket = wt.ticket;
+        d->owner_proc = wt.proc;
+        break;
+    }
+    __atomic_add_fetch(&d->seq, 1, __ATOMIC_SEQ_CST);
+    futex(&d->seq, FUTEX_WAKE, INT_MAX, NULL);
+}
+
+uint64_t fc_exec_acquire(struct fc_dev *d, int proc)
+{
+    fc_dev_lock(d);
+    uint64_t t = ++d->next_ticket;
+    if (d->owner_ticket == 0 && d->nwait == 0) {
+        d->owner_ticket = t;
+        d->owner_proc = proc;
+        fc_dev_unlock(d);
+        return t;
+    }
+    int slot = -1;
+    for (;;) {
+        if (d->owner_ticket == t)
+            break;
+        if (slot < 0) {
+            for (int w = 0; w < FC_MAX_WAITERS && slot < 0; w++) {
+                if (!d->wq[w].ticket) {
+                    slot = w;
+                    d->wq[w].ticket = t;
+                    d->wq[w].proc = proc;
+                    d->nwait++;
+                }
+            }
+            if (slot >= 0 && d->owner_ticket == 0)
+                grant_next_locked(d); /* queue was non-empty, device idle */
+            if (d->owner_ticket == t)
+                break;
+        } else if (d->wq[slot].ticket != t && d->owner_ticket != t) {
+            slot = -1; /* removed as dead by mistake cannot happen; re-queue */
+            continue;
+        }
+        uint32_t seq = __atomic_load_n(&d->seq, __ATOMIC_SEQ_CST);
+        fc_dev_unlock(d);
+        struct timespec ts = {0, FC_LIVENESS_POLL_NS};
+        futex(&d->seq, FUTEX_WAIT, seq, &ts);
+        fc_dev_lock(d);
+        if (d->owner_ticket && d->owner_ticket != t && !fc_proc_check_locked(d, d->owner_proc))
+            ; /* reaping the dead owner handed the device on */
+        else if (d->owner_ticket == 0 && d->nwait > 0)
+            grant_next_locked(d);
+    }
+    fc_dev_unlock(d);
+    return t;
+}
+
+void fc_exec_release(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns)
+{
+    fc_dev_lock(d);
+    if (d->owner_ticket == ticket) {
+        d->busy_ns += busy_ns;
+        d->kernels++;
+        if (proc >= 0 && proc < FC_MAX_PROCS) {
+            d->procs[proc].busy_ns += busy_ns;
+            d->procs[proc].kernels++;
+        }
+        if (d->nwait > 0) {
+            grant_next_locked(d);
+        } else {
+            d->owner_ticket = 0;
+            d->owner_proc = -1;
+        }
+    }
+    fc_dev_unlock(d);
+}
+
+int fc_mem_reserve(struct fc_dev *d, int proc, uint64_t bytes)
+{
+    fc_dev_lock(d);
+    if (bytes > d->mem_total || d->mem_used > d->mem_total - bytes) {
+        fc_reap_locked(d);
+        if (bytes > d->mem_total || d->mem_used > d->mem_total - bytes) {
+            fc_dev_unlock(d);
+            return -1;
+        }
+    }
+    d->mem_used += bytes;
+    if (proc >= 0 && proc < FC_MAX_PROCS)
+        d->procs[proc].mem_used += bytes;
+    fc_dev_unlock(d);
+    return 0;
+}
+
+void fc_mem_unreserve(struct fc_dev *d, int proc, uint64_t bytes)
+{
+    fc_dev_lock(d);
+    d->mem_used = d->mem_used >= bytes ? d->mem_used - bytes : 0;
+    if (proc >= 0 && proc < FC_MAX_PROCS && d->procs[proc].state == FC_PROC_ALIVE) {
+        struct fc_proc *p = &d->procs[proc];
+        p->mem_used = p->mem_used >= bytes ? p->mem_used - bytes : 0;
+    }
+    fc_dev_unlock(d);
+}
+
+void fc_dev_reset(struct fc_dev *d)
+{
+    fc_dev_lock(d);
+    fc_reap_locked(d);
+    d->busy_ns = 0;
+    d->kernels = 0;
+    for (int i = 0; i < FC_MAX_PROCS; i++) {
+        struct fc_proc *p = &d->procs[i];
+        p->busy_ns = 0;
+        p->kernels = 0;
+        if (p->state == FC_PROC_DEAD) {
+            p->state = FC_PROC_FREE;
+            p->pid = 0;
+        }
+    }
+    fc_dev_unlock(d);
+}

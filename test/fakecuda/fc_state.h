@@ -1,0 +1,110 @@
+/*
+ * fc_state.h - the shared device state of the simulated GPU.
+ *
+ * One file per host device, FAKECUDA_STATE_DIR/gpu<index>, mapped MAP_SHARED
+ * by every process that uses that device (libcuda.so.1, libnvidia-ml.so.1 and
+ * fakecuda-ctl).  The file is created fully initialised and published with
+ * link(2), so a reader never sees a half-written one.  Its properties (name,
+ * memory) are fixed by whoever creates it.
+ *
+ * Locking: d->mu is a process-shared robust mutex that guards every field
+ * below it; it is held only for short bookkeeping.  Kernel execution is a
+ * logical ownership (owner_ticket) handed over in FIFO order, so that waiting
+ * processes are served fairly; a dead owner is detected through its process
+ * entry (see fc_proc.alive).
+ */
+#ifndef FC_STATE_H
+#define FC_STATE_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#define FC_MAX_DEVICES 64
+#define FC_MAX_PROCS 1024
+#define FC_MAX_WAITERS 256
+#define FC_MAGIC 0x41445543454b4146ULL /* "FAKECUDA" */
+#define FC_LAYOUT 1
+#define FC_NAME_LEN 96
+
+enum { FC_PROC_FREE = 0, FC_PROC_ALIVE = 1, FC_PROC_DEAD = 2 };
+
+struct fc_proc {
+    /* Robust mutex locked for its whole life by the process's keeper thread:
+     * trylock == EBUSY means alive; EOWNERDEAD (or success) means it died. */
+    pthread_mutex_t alive;
+    int32_t state;
+    int32_t pid;
+    uint64_t busy_ns;
+    uint64_t mem_used;
+    uint64_t kernels;
+};
+
+struct fc_waiter {
+    uint64_t ticket; /* 0: slot free */
+    int32_t proc;
+    int32_t pad;
+};
+
+struct fc_dev {
+    uint64_t magic;
+    uint32_t layout;
+    uint32_t index;
+    uint64_t size;
+    char name[FC_NAME_LEN];
+    uint64_t mem_total;
+    pthread_mutex_t mu;
+    /* guarded by mu */
+    uint64_t mem_used;
+    uint64_t busy_ns;
+    uint64_t kernels;
+    uint64_t next_ticket;
+    uint64_t owner_ticket; /* 0: device idle */
+    int32_t owner_proc;
+    uint32_t nwait;
+    uint32_t seq; /* futex word: bumped on every hand-over */
+    uint32_t pad;
+    struct fc_waiter wq[FC_MAX_WAITERS];
+    struct fc_proc procs[FC_MAX_PROCS];
+};
+
+/* Configuration from the environment (defaults documented in README.md). */
+const char *fc_env_state_dir(void);
+int fc_env_devices(void);
+uint64_t fc_env_memory_bytes(void);
+const char *fc_env_name(void);
+
+/* GPU-5a1e0000-0000-4000-8000-<index as 12 hex digits>. */
+void fc_uuid_bytes(int index, unsigned char out[16]);
+void fc_uuid_string(int index, char *buf, size_t len);
+
+uint64_t fc_now_ns(void);
+
+/* Maps the state of host device index.  create: create the file (from the
+ * environment) when missing.  Returns NULL with errno set on failure. */
+struct fc_dev *fc_dev_open(int index, int create);
+void fc_dev_close(struct fc_dev *d);
+
+void fc_dev_lock(struct fc_dev *d);
+void fc_dev_unlock(struct fc_dev *d);
+
+/* With d->mu held: 1 if process entry i is alive; a dead one is reaped. */
+int fc_proc_check_locked(struct fc_dev *d, int i);
+/* With d->mu held: reaps every dead process entry. */
+void fc_reap_locked(struct fc_dev *d);
+
+/* Registers the calling process; must be called by the thread that stays
+ * alive as long as the process (the keeper).  Returns the entry or -1. */
+int fc_proc_register(struct fc_dev *d, int pid);
+
+/* Exclusive kernel execution, FIFO among waiters. */
+uint64_t fc_exec_acquire(struct fc_dev *d, int proc);
+void fc_exec_release(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns);
+
+/* Device memory accounting: 0, or -1 when over the device total. */
+int fc_mem_reserve(struct fc_dev *d, int proc, uint64_t bytes);
+void fc_mem_unreserve(struct fc_dev *d, int proc, uint64_t bytes);
+
+/* Clears busy counters and forgets exited processes. */
+void fc_dev_reset(struct fc_dev *d);
+
+#endif
