@@ -1,0 +1,156 @@
+// Package attach implements the wire format of the attach protocol of
+// enforcer/shim/include/mgpu_region.h (one 16-byte request, one 256-byte
+// response carrying the region's file descriptor) and a Go client for it.
+// The enforcer serves it on /run/mgpu/gpuX/client/client.sock.
+package attach
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"unicode/utf8"
+)
+
+// Constants of mgpu_region.h.
+const (
+	Magic      uint32 = 0x4150474d // MGPU_ATTACH_MAGIC, "MGPA" little-endian
+	Version    uint32 = 1          // MGPU_ATTACH_VERSION
+	MessageLen        = 224        // MGPU_ATTACH_MESSAGE_LEN
+
+	RequestSize  = 16
+	ResponseSize = 256
+)
+
+// Status is mgpu_attach_resp_t.status.
+type Status int32
+
+// Statuses (MGPU_ATTACH_*).
+const (
+	OK         Status = 0 // the response carries the region fd
+	NoInstance Status = 1 // the caller belongs to no instance of this device
+	NoSlot     Status = 2 // the instance has MGPU_REGION_MAX_PROCS processes
+	BadRequest Status = 3 // wrong magic, version, size or flags
+	Internal   Status = 4 // enforcer-side failure
+)
+
+func (s Status) String() string {
+	switch s {
+	case OK:
+		return "ok"
+	case NoInstance:
+		return "no instance"
+	case NoSlot:
+		return "no slot"
+	case BadRequest:
+		return "bad request"
+	case Internal:
+		return "internal error"
+	}
+	return fmt.Sprintf("status %d", int32(s))
+}
+
+// Request is mgpu_attach_req_t.
+type Request struct {
+	Magic, Version, Flags, Reserved uint32
+}
+
+// NewRequest returns the only valid request of this version.
+func NewRequest() Request { return Request{Magic: Magic, Version: Version} }
+
+// Marshal encodes r (little-endian, like the C struct on every supported
+// architecture).
+func (r Request) Marshal() [RequestSize]byte {
+	var b [RequestSize]byte
+	le := binary.LittleEndian
+	le.PutUint32(b[0:], r.Magic)
+	le.PutUint32(b[4:], r.Version)
+	le.PutUint32(b[8:], r.Flags)
+	le.PutUint32(b[12:], r.Reserved)
+	return b
+}
+
+// ErrBadRequest is returned (wrapped) by DecodeRequest.
+var ErrBadRequest = errors.New("bad attach request")
+
+// DecodeRequest parses and validates one request. b must be exactly
+// RequestSize bytes.
+func DecodeRequest(b []byte) (Request, error) {
+	if len(b) != RequestSize {
+		return Request{}, fmt.Errorf("%w: %d bytes, want %d", ErrBadRequest, len(b), RequestSize)
+	}
+	le := binary.LittleEndian
+	r := Request{Magic: le.Uint32(b[0:]), Version: le.Uint32(b[4:]), Flags: le.Uint32(b[8:]), Reserved: le.Uint32(b[12:])}
+	switch {
+	case r.Magic != Magic:
+		return r, fmt.Errorf("%w: magic %#x, want %#x", ErrBadRequest, r.Magic, Magic)
+	case r.Version != Version:
+		return r, fmt.Errorf("%w: version %d, this enforcer speaks %d", ErrBadRequest, r.Version, Version)
+	case r.Flags != 0:
+		return r, fmt.Errorf("%w: flags %#x, want 0", ErrBadRequest, r.Flags)
+	}
+	return r, nil
+}
+
+// Response is mgpu_attach_resp_t (magic and version implied).
+type Response struct {
+	Status      Status
+	Slot        uint32
+	RegionSize  uint32
+	DeviceIndex uint32
+	InstanceID  uint32
+	Message     string // at most MessageLen-1 bytes travel
+}
+
+// Marshal encodes r; a long message is cut at a UTF-8 boundary so that the
+// NUL-terminated field holds at most MessageLen-1 bytes.
+func (r Response) Marshal() [ResponseSize]byte {
+	var b [ResponseSize]byte
+	le := binary.LittleEndian
+	le.PutUint32(b[0:], Magic)
+	le.PutUint32(b[4:], Version)
+	le.PutUint32(b[8:], uint32(r.Status)) //nolint:gosec // two's complement on the wire, like int32_t
+	le.PutUint32(b[12:], r.Slot)
+	le.PutUint32(b[16:], r.RegionSize)
+	le.PutUint32(b[20:], r.DeviceIndex)
+	le.PutUint32(b[24:], r.InstanceID)
+	copy(b[32:32+MessageLen-1], truncate(r.Message, MessageLen-1))
+	return b
+}
+
+func truncate(s string, n int) string {
+	if i := bytes.IndexByte([]byte(s), 0); i >= 0 {
+		s = s[:i]
+	}
+	if len(s) <= n {
+		return s
+	}
+	s = s[:n]
+	for len(s) > 0 && !utf8.ValidString(s) {
+		s = s[:len(s)-1]
+	}
+	return s
+}
+
+// DecodeResponse parses one response.
+func DecodeResponse(b []byte) (Response, error) {
+	if len(b) != ResponseSize {
+		return Response{}, fmt.Errorf("bad attach response: %d bytes, want %d", len(b), ResponseSize)
+	}
+	le := binary.LittleEndian
+	if m, v := le.Uint32(b[0:]), le.Uint32(b[4:]); m != Magic || v != Version {
+		return Response{}, fmt.Errorf("bad attach response: magic %#x version %d", m, v)
+	}
+	msg := b[32 : 32+MessageLen]
+	if i := bytes.IndexByte(msg, 0); i >= 0 {
+		msg = msg[:i]
+	}
+	return Response{
+		Status:      Status(int32(le.Uint32(b[8:]))), //nolint:gosec // int32_t on the wire
+		Slot:        le.Uint32(b[12:]),
+		RegionSize:  le.Uint32(b[16:]),
+		DeviceIndex: le.Uint32(b[20:]),
+		InstanceID:  le.Uint32(b[24:]),
+		Message:     string(msg),
+	}, nil
+}
