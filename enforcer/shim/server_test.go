@@ -1,0 +1,215 @@
+package shim_test
+
+import (
+	"encoding/binary"
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mgpu-dev/mgpu/enforcer/region"
+)
+
+// The attach protocol of mgpu_region.h.
+const (
+	attachMagic   = 0x4150474d
+	attachVersion = 1
+	attachReqLen  = 16
+	attachRespLen = 256
+	attachMsgOff  = 32
+
+	attachOK         = 0
+	attachNoInstance = 1
+	attachNoSlot     = 2
+	attachBadRequest = 3
+)
+
+// testServer is a test-only stand-in for the enforcer's client socket: one
+// device, one instance.  It serves <dir>/gpu<X>/client/client.sock, hands
+// every caller the instance's region and a slot of its own, and reaps the
+// slots of processes that are gone.
+type testServer struct {
+	t      *testing.T
+	dir    string
+	index  uint32
+	reg    *region.Region
+	ln     *net.UnixListener
+	refuse atomic.Pointer[string] // non-nil: answer every attach with NO_INSTANCE and this message
+	conns  atomic.Int64
+	mu     sync.Mutex // slot assignment
+	wg     sync.WaitGroup
+}
+
+type serverOpt func(*region.Params)
+
+func withQuota(mib uint64) serverOpt { return func(p *region.Params) { p.MemoryLimit = mib << 20 } }
+func withMaxQueued(ns uint64) serverOpt {
+	return func(p *region.Params) { p.MaxQueuedNs = ns }
+}
+
+// newServer starts a server for device index under dir (the run directory).
+func newServer(t *testing.T, dir string, index uint32, opts ...serverOpt) *testServer {
+	t.Helper()
+	p := region.Params{DeviceIndex: index, InstanceID: 1, Policy: region.PolicyFixedShare, Core: 50,
+		MemoryLimit: 1024 << 20, PeriodNs: 100e6, MaxQueuedNs: 4e6}
+	for _, o := range opts {
+		o(&p)
+	}
+	gdir := filepath.Join(dir, "gpu"+strconv.Itoa(int(index)))
+	for _, d := range []string{filepath.Join(gdir, "regions"), filepath.Join(gdir, "client")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	reg, err := region.Create(filepath.Join(gdir, "regions", "mgpu"+strconv.Itoa(int(index))+"inst1"), p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg.SetGrant(1)
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: filepath.Join(gdir, "client", "client.sock"), Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &testServer{t: t, dir: dir, index: index, reg: reg, ln: ln}
+	s.wg.Add(1)
+	go s.serve()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		s.wg.Wait()
+		_ = reg.Close()
+	})
+	return s
+}
+
+func (s *testServer) serve() {
+	defer s.wg.Done()
+	for {
+		c, err := s.ln.AcceptUnix()
+		if err != nil {
+			return
+		}
+		s.conns.Add(1)
+		s.handle(c)
+		_ = c.Close()
+	}
+}
+
+func (s *testServer) handle(c *net.UnixConn) {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return
+	}
+	var cred *unix.Ucred
+	_ = raw.Control(func(fd uintptr) {
+		cred, err = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) //nolint:gosec // fd fits
+	})
+	if err != nil {
+		return
+	}
+	req := make([]byte, attachReqLen)
+	if _, err := readFull(c, req); err != nil {
+		return
+	}
+	resp := make([]byte, attachRespLen)
+	le := binary.LittleEndian
+	le.PutUint32(resp[0:], attachMagic)
+	le.PutUint32(resp[4:], attachVersion)
+	le.PutUint32(resp[20:], s.index)
+	le.PutUint32(resp[24:], 1)
+	fail := func(status int32, msg string) {
+		le.PutUint32(resp[8:], uint32(status)) //nolint:gosec // small constants
+		copy(resp[attachMsgOff:attachRespLen-1], msg)
+		_, _ = c.Write(resp)
+	}
+	if le.Uint32(req[0:]) != attachMagic || le.Uint32(req[4:]) != attachVersion || le.Uint32(req[8:]) != 0 {
+		fail(attachBadRequest, "bad request")
+		return
+	}
+	if m := s.refuse.Load(); m != nil {
+		fail(attachNoInstance, *m)
+		return
+	}
+	slot := s.claim(uint32(cred.Pid)) //nolint:gosec // pids are positive
+	if slot < 0 {
+		fail(attachNoSlot, "no free slot")
+		return
+	}
+	le.PutUint32(resp[12:], uint32(slot)) //nolint:gosec // < MaxProcs
+	le.PutUint32(resp[16:], region.FileSize)
+	_, _, _ = c.WriteMsgUnix(resp, unix.UnixRights(int(s.reg.File().Fd())), nil) //nolint:gosec // fd fits
+}
+
+func readFull(c net.Conn, b []byte) (int, error) {
+	n := 0
+	for n < len(b) {
+		m, err := c.Read(b[n:])
+		n += m
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// claim gives pid a free slot, reaping dead processes' slots first.
+func (s *testServer) claim(pid uint32) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.reapLocked()
+	for i := 0; i < region.MaxProcs; i++ {
+		p := s.reg.Proc(i)
+		if p.PID.Load() == 0 {
+			p.Claim(pid, 1)
+			return i
+		}
+	}
+	return -1
+}
+
+// reap frees the slots of processes that no longer exist (the caller has
+// waited for them, so they are not zombies).
+func (s *testServer) reap() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.reapLocked()
+}
+
+func (s *testServer) reapLocked() {
+	for i := 0; i < region.MaxProcs; i++ {
+		p := s.reg.Proc(i)
+		pid := p.PID.Load()
+		if pid == 0 {
+			continue
+		}
+		if err := unix.Kill(int(pid), 0); errors.Is(err, unix.ESRCH) {
+			p.Clear()
+		}
+	}
+}
+
+// slotOf returns the slot of pid, or nil.
+func (s *testServer) slotOf(pid int) *region.Proc {
+	for i := 0; i < region.MaxProcs; i++ {
+		if p := s.reg.Proc(i); p.PID.Load() == uint32(pid) { //nolint:gosec // pids are positive
+			return p
+		}
+	}
+	return nil
+}
+
+// used is the instance's reserved memory: the sum over all slots.
+func (s *testServer) used() uint64 {
+	var sum uint64
+	for i := 0; i < region.MaxProcs; i++ {
+		sum += s.reg.Proc(i).MemReserved.Load()
+	}
+	return sum
+}
+
+func (s *testServer) setGrant(v uint32) { s.reg.SetGrant(v) }

@@ -1,0 +1,682 @@
+/*
+ * init.c - loading the real driver, attaching to the enforcer, and the two
+ * ways programs find driver entry points: cuGetProcAddress and dlsym.
+ *
+ * Nothing here runs when the library is loaded.  The driver is loaded on the
+ * first CUDA-related call (a wrapper, cuGetProcAddress, or a dlsym of an
+ * interposed name on the driver), and the enforcer is contacted on the first
+ * call that needs a region.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <limits.h>
+#include <link.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "shim.h"
+
+struct mgpu_real mgpu_real;
+
+/* ---- the interposed-name table, generated from shim.def ---- */
+
+struct mgpu_sym {
+    const char *name;
+    const char *base;
+    int since;
+    int ptsz;
+    int nvml;
+    void *wrapper;
+    size_t real_off; /* offset of the real pointer in struct mgpu_real */
+};
+
+static const struct mgpu_sym g_syms[] = {
+#define MGPU_CU(n, b, s, p) {#n, #b, s, p, 0, (void *)&n, offsetof(struct mgpu_real, n)},
+#define MGPU_NVML(n) {#n, #n, 0, 0, 1, (void *)&n, offsetof(struct mgpu_real, n)},
+#include "shim.def"
+};
+#define NSYMS (sizeof g_syms / sizeof g_syms[0])
+
+static void *real_of(const struct mgpu_sym *s)
+{
+    void *p;
+    memcpy(&p, (const char *)&mgpu_real + s->real_off, sizeof p);
+    return p;
+}
+
+static const struct mgpu_sym *sym_by_name(const char *name)
+{
+    if (!name || (name[0] != 'c' && name[0] != 'n'))
+        return NULL;
+    for (size_t i = 0; i < NSYMS; i++)
+        if (strcmp(g_syms[i].name, name) == 0)
+            return &g_syms[i];
+    return NULL;
+}
+
+/* ---- the real dlsym ---- */
+
+typedef void *(*dlsym_fn)(void *, const char *);
+static _Atomic(dlsym_fn) g_real_dlsym;
+
+static dlsym_fn real_dlsym(void)
+{
+    dlsym_fn f = atomic_load_explicit(&g_real_dlsym, memory_order_acquire);
+    if (MGPU_LIKELY(f))
+        return f;
+    f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (!f)
+        f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    atomic_store_explicit(&g_real_dlsym, f, memory_order_release);
+    return f;
+}
+
+static struct link_map *map_of(const void *addr)
+{
+    Dl_info info;
+    struct link_map *lm = NULL;
+    if (!addr || !dladdr1(addr, &info, (void **)&lm, RTLD_DL_LINKMAP))
+        return NULL;
+    return lm;
+}
+
+static struct link_map *self_map(void)
+{
+    return map_of((const void *)&self_map);
+}
+
+/* ---- fork ---- */
+
+static pthread_mutex_t g_load_mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
+static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
+static void reset_attachment(void);
+
+static void atfork_child(void)
+{
+    /* Locks other threads of the parent held stay held in the child: start
+     * them afresh.  The child never writes its parent's slot: it drops the
+     * parent's attachment and attaches again on its next CUDA call. */
+    pthread_mutex_t rec = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
+    pthread_mutex_t plain = PTHREAD_MUTEX_INITIALIZER;
+    g_load_mu = rec;
+    g_init_mu = plain;
+    mgpu_acct_mu = plain;
+    reset_attachment();
+    mgpu_mem_reset_after_fork();
+    mgpu_launch_reset_after_fork();
+}
+
+static void register_atfork(void)
+{
+    pthread_atfork(NULL, NULL, atfork_child);
+}
+
+/* ---- loading the driver and NVML ---- */
+
+struct lib {
+    const char *env;
+    const char *dflt;
+    _Atomic int loaded; /* 0 not yet, 1 loaded, -1 failed */
+    int loading;        /* guarded by g_load_mu: re-entered from the library's own init */
+    struct link_map *map;
+    char err[256];
+};
+static struct lib g_cuda = {.env = "MGPU_REAL_LIBCUDA", .dflt = "libcuda.so.1"};
+static struct lib g_nvml = {.env = "MGPU_REAL_LIBNVML", .dflt = "libnvidia-ml.so.1"};
+
+static void fill_cuda(void *h)
+{
+    dlsym_fn ds = real_dlsym();
+#define MGPU_CU(n, b, s, p) mgpu_real.n = (__typeof__(mgpu_real.n))ds(h, #n);
+#define MGPU_CU_REAL(n) mgpu_real.n = (__typeof__(mgpu_real.n))ds(h, #n);
+#include "shim.def"
+}
+
+static void fill_nvml(void *h)
+{
+    dlsym_fn ds = real_dlsym();
+#define MGPU_NVML(n) mgpu_real.n = (__typeof__(mgpu_real.n))ds(h, #n);
+#define MGPU_NVML_REAL(n) mgpu_real.n = (__typeof__(mgpu_real.n))ds(h, #n);
+#include "shim.def"
+}
+
+static int do_load(struct lib *l, const char *probe, void (*fill)(void *))
+{
+    const char *path = getenv(l->env);
+    if (!path || !*path)
+        path = l->dflt;
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        const char *e = dlerror();
+        snprintf(l->err, sizeof l->err, "cannot load %s: %s", path, e ? e : "unknown error");
+        return -1;
+    }
+    void *p = real_dlsym()(h, probe);
+    struct link_map *lm = map_of(p);
+    if (!p || !lm) {
+        snprintf(l->err, sizeof l->err, "%s has no %s", path, probe);
+        return -1;
+    }
+    if (lm == self_map()) {
+        /* Never forward to ourselves (the shim installed under the driver's name). */
+        snprintf(l->err, sizeof l->err, "%s resolves to the mgpu shim itself; set %s to the real library", path,
+                 l->env);
+        return -1;
+    }
+    l->map = lm;
+    fill(h);
+    return 0;
+}
+
+static int load(struct lib *l, const char *probe, void (*fill)(void *))
+{
+    int s = atomic_load_explicit(&l->loaded, memory_order_acquire);
+    if (MGPU_LIKELY(s))
+        return s > 0 ? 0 : -1;
+    pthread_once(&g_atfork_once, register_atfork);
+    pthread_mutex_lock(&g_load_mu);
+    if (l->loading) { /* the library's own initialisation called back into us */
+        pthread_mutex_unlock(&g_load_mu);
+        return -1;
+    }
+    s = atomic_load_explicit(&l->loaded, memory_order_relaxed);
+    if (!s) {
+        l->loading = 1;
+        s = do_load(l, probe, fill) == 0 ? 1 : -1;
+        l->loading = 0;
+        atomic_store_explicit(&l->loaded, s, memory_order_release);
+    }
+    pthread_mutex_unlock(&g_load_mu);
+    return s > 0 ? 0 : -1;
+}
+
+int mgpu_load_cuda(void)
+{
+    int r = load(&g_cuda, "cuInit", fill_cuda);
+    static _Atomic int said;
+    if (r && atomic_load_explicit(&g_cuda.loaded, memory_order_relaxed) < 0 && !atomic_exchange(&said, 1))
+        fprintf(stderr, "mgpu: %s\n", g_cuda.err);
+    return r;
+}
+
+int mgpu_load_nvml(void)
+{
+    return load(&g_nvml, "nvmlInit_v2", fill_nvml);
+}
+
+/* ---- attaching ---- */
+
+_Atomic int mgpu_state_now;
+struct mgpu_dev *_Atomic mgpu_fast_dev;
+unsigned mgpu_generation;
+static struct mgpu_dev g_devs[MGPU_MAX_DEVICES];
+static int g_ndevs;        /* ordinals 0..g_ndevs-1 */
+static pid_t g_attached_pid;
+static _Atomic int g_fast_checked;
+
+static void reset_attachment(void)
+{
+    for (int i = 0; i < g_ndevs; i++) {
+        if (g_devs[i].region)
+            munmap(g_devs[i].region, g_devs[i].region->size);
+        memset(&g_devs[i], 0, sizeof g_devs[i]);
+    }
+    g_ndevs = 0;
+    atomic_store(&mgpu_fast_dev, NULL);
+    atomic_store(&g_fast_checked, 0);
+    atomic_store(&mgpu_state_now, MGPU_ST_NONE);
+    mgpu_generation++;
+}
+
+static const char *run_dir(void)
+{
+    const char *d = getenv("MGPU_RUN_DIR");
+    return d && *d ? d : "/run/mgpu";
+}
+
+static int sock_path(char *buf, size_t len, unsigned idx)
+{
+    int n = snprintf(buf, len, "%s/gpu%u/client/client.sock", run_dir(), idx);
+    return n < 0 || (size_t)n >= len ? -1 : 0;
+}
+
+static int write_all(int fd, const void *buf, size_t len)
+{
+    const char *p = buf;
+    while (len) {
+        ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1;
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* Reads the response and the one region fd.  Returns the fd (or -1 when none
+ * came), or -2 with err filled. */
+static int read_resp(int s, mgpu_attach_resp_t *resp, char *err, size_t errlen)
+{
+    size_t got = 0;
+    int fd = -1;
+    while (got < sizeof *resp) {
+        struct iovec iov = {(char *)resp + got, sizeof *resp - got};
+        union {
+            char buf[CMSG_SPACE(4 * sizeof(int))];
+            struct cmsghdr align;
+        } cbuf;
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf.buf,
+                            .msg_controllen = sizeof cbuf.buf};
+        ssize_t n = recvmsg(s, &mh, MSG_CMSG_CLOEXEC);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0) {
+            snprintf(err, errlen, "reading the response: %s",
+                     errno == EAGAIN ? "timed out" : strerror(errno));
+            goto fail;
+        }
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+                continue;
+            size_t nfd = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t i = 0; i < nfd; i++) {
+                int f;
+                memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
+                if (fd < 0)
+                    fd = f;
+                else
+                    close(f);
+            }
+        }
+        if (mh.msg_flags & MSG_CTRUNC) {
+            snprintf(err, errlen, "the response carried too many file descriptors");
+            goto fail;
+        }
+        if (n == 0) {
+            snprintf(err, errlen, "the enforcer closed the connection after %zu of %zu bytes", got,
+                     sizeof *resp);
+            goto fail;
+        }
+        got += (size_t)n;
+    }
+    return fd;
+fail:
+    if (fd >= 0)
+        close(fd);
+    return -2;
+}
+
+static int attach_one(struct mgpu_dev *d, unsigned idx, char *path, size_t pathlen, char *err, size_t errlen)
+{
+    if (sock_path(path, pathlen, idx)) {
+        snprintf(path, pathlen, "%s/gpu%u/client/client.sock", run_dir(), idx);
+        snprintf(err, errlen, "path too long");
+        return -1;
+    }
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof sa.sun_path) {
+        snprintf(err, errlen, "path too long for a unix socket");
+        return -1;
+    }
+    strcpy(sa.sun_path, path);
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s < 0) {
+        snprintf(err, errlen, "socket: %s", strerror(errno));
+        return -1;
+    }
+    struct timeval tv = {.tv_sec = 10};
+    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    int r;
+    do
+        r = connect(s, (struct sockaddr *)&sa, sizeof sa);
+    while (r < 0 && errno == EINTR);
+    if (r < 0) {
+        snprintf(err, errlen, "%s", strerror(errno));
+        close(s);
+        return -1;
+    }
+    mgpu_attach_req_t req = {.magic = MGPU_ATTACH_MAGIC, .version = MGPU_ATTACH_VERSION};
+    if (write_all(s, &req, sizeof req)) {
+        snprintf(err, errlen, "sending the request: %s", strerror(errno));
+        close(s);
+        return -1;
+    }
+    mgpu_attach_resp_t resp;
+    memset(&resp, 0, sizeof resp);
+    int fd = read_resp(s, &resp, err, errlen);
+    close(s);
+    if (fd == -2)
+        return -1;
+    if (resp.magic != MGPU_ATTACH_MAGIC || resp.version != MGPU_ATTACH_VERSION) {
+        snprintf(err, errlen, "not an mgpu enforcer (bad response magic or version)");
+        goto fail;
+    }
+    if (resp.status != MGPU_ATTACH_OK) {
+        resp.message[MGPU_ATTACH_MESSAGE_LEN - 1] = 0;
+        for (char *c = resp.message; *c; c++)
+            if (*c == '\n' || *c == '\r')
+                *c = ' ';
+        snprintf(err, errlen, "%s", resp.message[0] ? resp.message : "refused");
+        goto fail;
+    }
+    if (fd < 0) {
+        snprintf(err, errlen, "the enforcer sent no region");
+        goto fail;
+    }
+    struct stat st;
+    if (resp.region_size < sizeof(mgpu_region_t) || resp.region_size > (1u << 24) || fstat(fd, &st) ||
+        (uint64_t)st.st_size < resp.region_size) {
+        snprintf(err, errlen, "bad region size %u", resp.region_size);
+        goto fail;
+    }
+    mgpu_region_t *rg = mmap(NULL, resp.region_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    fd = -1;
+    if (rg == MAP_FAILED) {
+        snprintf(err, errlen, "mapping the region: %s", strerror(errno));
+        return -1;
+    }
+    if (rg->magic != MGPU_REGION_MAGIC || rg->version != MGPU_REGION_VERSION || rg->size != resp.region_size ||
+        rg->max_procs == 0 || rg->max_procs > MGPU_REGION_MAX_PROCS || resp.slot >= rg->max_procs ||
+        rg->device_index != idx) {
+        snprintf(err, errlen, "bad region (magic %#x version %u size %u max_procs %u slot %u device %u)", rg->magic,
+                 rg->version, rg->size, rg->max_procs, resp.slot, rg->device_index);
+        munmap(rg, resp.region_size);
+        return -1;
+    }
+    d->host_index = idx;
+    d->region = rg;
+    d->slot = &rg->procs[resp.slot];
+    d->limit = rg->memory_limit;
+    d->max_queued_ns = rg->max_queued_ns;
+    return 0;
+fail:
+    if (fd >= 0)
+        close(fd);
+    return -1;
+}
+
+/* MGPU_VISIBLE_DEVICES: a comma list of host indexes; ordinal k = k-th entry. */
+static int parse_visible(const char *v, unsigned *out, int *n)
+{
+    *n = 0;
+    const char *p = v;
+    while (*p) {
+        if (*p < '0' || *p > '9' || *n >= MGPU_MAX_DEVICES)
+            return -1;
+        unsigned long x = 0;
+        while (*p >= '0' && *p <= '9') {
+            x = x * 10 + (unsigned long)(*p - '0');
+            if (x > 1000000)
+                return -1;
+            p++;
+        }
+        out[(*n)++] = (unsigned)x;
+        if (*p == ',') {
+            p++;
+            if (!*p)
+                return -1;
+        } else if (*p) {
+            return -1;
+        }
+    }
+    return *n ? 0 : -1;
+}
+
+static void fail_line(const char *what, const char *err, int open)
+{
+    if (open)
+        fprintf(stderr, "mgpu: %s: %s; MGPU_FAIL_OPEN=1 is set, running WITHOUT limits\n", what, err);
+    else
+        fprintf(stderr, "mgpu: %s: %s; set MGPU_FAIL_OPEN=1 to run without limits (debugging only)\n", what, err);
+}
+
+static enum mgpu_state do_attach(void)
+{
+    const char *fo = getenv("MGPU_FAIL_OPEN");
+    int open = fo && strcmp(fo, "1") == 0;
+    char path[PATH_MAX], err[320], what[PATH_MAX + 32];
+    unsigned idx[MGPU_MAX_DEVICES];
+    int n = 0, explicit_list = 0;
+    const char *vis = getenv("MGPU_VISIBLE_DEVICES");
+
+    if (vis) {
+        explicit_list = 1;
+        if (parse_visible(vis, idx, &n)) {
+            snprintf(what, sizeof what, "invalid MGPU_VISIBLE_DEVICES=\"%.64s\"", vis);
+            fail_line(what, "want a comma list of device indexes", open);
+            return open ? MGPU_ST_OPEN : MGPU_ST_FAILED;
+        }
+    } else {
+        /* Default: ordinal k is host device k, for the devices that have a socket. */
+        for (unsigned i = 0; i < MGPU_MAX_DEVICES; i++) {
+            struct stat st;
+            if (sock_path(path, sizeof path, i) == 0 && stat(path, &st) == 0)
+                n = (int)i + 1;
+        }
+        for (int i = 0; i < n; i++)
+            idx[i] = (unsigned)i;
+        if (n == 0) { /* no enforcer at all: report device 0 */
+            idx[0] = 0;
+            n = 1;
+        }
+    }
+    int attached = 0;
+    for (int k = 0; k < n; k++) {
+        struct mgpu_dev *d = &g_devs[k];
+        memset(d, 0, sizeof *d);
+        d->ordinal = k;
+        struct stat st;
+        if (!explicit_list && n > 1 && sock_path(path, sizeof path, idx[k]) == 0 && stat(path, &st) != 0)
+            continue; /* default mode: a device without an enforcer is refused, not attached */
+        if (attach_one(d, idx[k], path, sizeof path, err, sizeof err)) {
+            for (int j = 0; j < k; j++)
+                if (g_devs[j].region) {
+                    munmap(g_devs[j].region, g_devs[j].region->size);
+                    g_devs[j].region = NULL;
+                }
+            memset(d, 0, sizeof *d);
+            snprintf(what, sizeof what, "cannot attach to %s", path);
+            fail_line(what, err, open);
+            return open ? MGPU_ST_OPEN : MGPU_ST_FAILED;
+        }
+        attached++;
+    }
+    g_ndevs = n;
+    g_attached_pid = getpid();
+    return MGPU_ST_READY;
+}
+
+enum mgpu_state mgpu_ensure(void)
+{
+    int s = atomic_load_explicit(&mgpu_state_now, memory_order_acquire);
+    if (MGPU_LIKELY(s != MGPU_ST_NONE)) {
+        if (s != MGPU_ST_READY || MGPU_LIKELY(g_attached_pid == getpid()))
+            return (enum mgpu_state)s;
+        /* A child made without fork() (no atfork handler ran): never touch
+         * the parent's slot. */
+        pthread_mutex_lock(&g_init_mu);
+        if (g_attached_pid != getpid()) {
+            reset_attachment();
+            mgpu_mem_reset_after_fork();
+            mgpu_launch_reset_after_fork();
+        }
+        pthread_mutex_unlock(&g_init_mu);
+    }
+    pthread_once(&g_atfork_once, register_atfork);
+    pthread_mutex_lock(&g_init_mu);
+    s = atomic_load_explicit(&mgpu_state_now, memory_order_relaxed);
+    if (s == MGPU_ST_NONE) {
+        s = do_attach();
+        atomic_store_explicit(&mgpu_state_now, s, memory_order_release);
+    }
+    pthread_mutex_unlock(&g_init_mu);
+    return (enum mgpu_state)s;
+}
+
+struct mgpu_dev *mgpu_dev_by_ordinal(int ordinal)
+{
+    if (ordinal < 0 || ordinal >= g_ndevs || !g_devs[ordinal].region)
+        return NULL;
+    return &g_devs[ordinal];
+}
+
+struct mgpu_dev *mgpu_dev_by_host_index(unsigned idx)
+{
+    for (int i = 0; i < g_ndevs; i++)
+        if (g_devs[i].region && g_devs[i].host_index == idx)
+            return &g_devs[i];
+    return NULL;
+}
+
+/* The fast path skips cuCtxGetDevice when the driver shows exactly one
+ * device and it is managed. */
+static void check_fast(void)
+{
+    if (atomic_load_explicit(&g_fast_checked, memory_order_acquire))
+        return;
+    int count = 0;
+    if (!REAL(cuDeviceGetCount) || REAL(cuDeviceGetCount)(&count) != CUDA_SUCCESS)
+        return; /* not initialised yet: try again later */
+    pthread_mutex_lock(&g_init_mu);
+    if (count == 1 && g_ndevs >= 1 && g_devs[0].region)
+        atomic_store_explicit(&mgpu_fast_dev, &g_devs[0], memory_order_release);
+    atomic_store_explicit(&g_fast_checked, 1, memory_order_release);
+    pthread_mutex_unlock(&g_init_mu);
+}
+
+struct mgpu_dev *mgpu_current_dev(CUresult *err)
+{
+    struct mgpu_dev *d = atomic_load_explicit(&mgpu_fast_dev, memory_order_acquire);
+    if (d)
+        return d;
+    check_fast();
+    d = atomic_load_explicit(&mgpu_fast_dev, memory_order_acquire);
+    if (d)
+        return d;
+    CUdevice dev;
+    CUresult r = REAL(cuCtxGetDevice) ? REAL(cuCtxGetDevice)(&dev) : CUDA_ERROR_NOT_INITIALIZED;
+    if (r != CUDA_SUCCESS) {
+        *err = r;
+        return NULL;
+    }
+    d = mgpu_dev_by_ordinal(dev);
+    if (!d)
+        *err = CUDA_ERROR_INVALID_DEVICE;
+    return d;
+}
+
+uint64_t mgpu_instance_used(const struct mgpu_dev *d)
+{
+    uint64_t sum = 0;
+    unsigned n = d->region->max_procs;
+    for (unsigned i = 0; i < n; i++)
+        sum += atomic_load(&d->region->procs[i].mem_reserved);
+    return sum;
+}
+
+/* ---- cuInit ---- */
+
+MGPU_EXPORT CUresult cuInit(unsigned int Flags)
+{
+    if (mgpu_load_cuda())
+        return CUDA_ERROR_NOT_INITIALIZED;
+    enum mgpu_state s = mgpu_ensure();
+    if (s == MGPU_ST_FAILED)
+        return CUDA_ERROR_NOT_INITIALIZED; /* never initialise the real driver */
+    CUresult r = REAL(cuInit)(Flags);
+    if (r == CUDA_SUCCESS && s == MGPU_ST_READY)
+        check_fast();
+    return r;
+}
+
+/* ---- cuGetProcAddress ---- */
+
+static void *substitute(const char *symbol, void *p, int ver, cuuint64_t flags)
+{
+    /* Exact: the driver handed out one of the entry points we interpose. */
+    for (size_t i = 0; i < NSYMS; i++)
+        if (!g_syms[i].nvml && real_of(&g_syms[i]) == p)
+            return g_syms[i].wrapper;
+    /* By name, for drivers whose table pointers differ from their exports. */
+    int want = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+    const struct mgpu_sym *best = NULL;
+    for (int pass = 0; pass < 2 && !best; pass++) {
+        for (size_t i = 0; i < NSYMS; i++) {
+            const struct mgpu_sym *s = &g_syms[i];
+            if (s->nvml || s->ptsz != (pass == 0 ? want : 0) || s->since > ver || strcmp(s->base, symbol))
+                continue;
+            if (!best || s->since > best->since)
+                best = s;
+        }
+        if (!want)
+            break;
+    }
+    return best ? best->wrapper : p;
+}
+
+MGPU_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                                         CUdriverProcAddressQueryResult *symbolStatus)
+{
+    if (mgpu_load_cuda() || !REAL(cuGetProcAddress_v2))
+        return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = REAL(cuGetProcAddress_v2)(symbol, pfn, cudaVersion, flags, symbolStatus);
+    if (r == CUDA_SUCCESS && symbol && pfn && *pfn)
+        *pfn = substitute(symbol, *pfn, cudaVersion, flags);
+    return r;
+}
+
+MGPU_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags)
+{
+    if (mgpu_load_cuda() || !REAL(cuGetProcAddress))
+        return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = REAL(cuGetProcAddress)(symbol, pfn, cudaVersion, flags);
+    if (r == CUDA_SUCCESS && symbol && pfn && *pfn)
+        *pfn = substitute(symbol, *pfn, cudaVersion, flags);
+    return r;
+}
+
+/* ---- dlsym ---- */
+
+/* Returns the wrapper to hand out instead of what the real dlsym finds, or
+ * NULL to answer exactly as the real dlsym does. */
+static void *dlsym_override(void *handle, const char *name, const void *caller)
+{
+    const struct mgpu_sym *s = sym_by_name(name);
+    if (!s || handle == RTLD_DEFAULT) /* RTLD_DEFAULT already finds our export first */
+        return NULL;
+    if (s->nvml ? mgpu_load_nvml() : mgpu_load_cuda())
+        return NULL;
+    struct link_map *drv = s->nvml ? g_nvml.map : g_cuda.map;
+    struct link_map *from = map_of(caller);
+    if (from == g_cuda.map || from == g_nvml.map || from == self_map())
+        return NULL; /* the driver's own lookups get the driver's own symbols */
+    if (!real_of(s))
+        return NULL;
+    if (handle == RTLD_NEXT)
+        return s->wrapper;
+    void *p = real_dlsym()(handle, name);
+    return p && map_of(p) == drv ? s->wrapper : NULL;
+}
+
+MGPU_EXPORT void *dlsym(void *handle, const char *name)
+{
+    void *w = dlsym_override(handle, name, __builtin_return_address(0));
+    if (w)
+        return w;
+    /* A tail call: the real dlsym sees our caller's return address, which
+     * RTLD_NEXT (and the caller's namespace) depend on. */
+    return real_dlsym()(handle, name);
+}
