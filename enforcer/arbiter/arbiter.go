@@ -1,0 +1,574 @@
+// Package arbiter decides, tick by tick, which instance of one device may
+// submit GPU work. It is pure logic: time and the instances' measured usage
+// are inputs, a list of grant holders is the output. The enforcer daemon
+// calls Tick about once a millisecond while anything is active, reads the
+// counters of every instance's shared region before the call and writes the
+// grant words (futexes) after it.
+//
+// # Model
+//
+// The device runs one kernel at a time. The shim bounds every process's
+// queued work to max_queued_ns (DefaultMaxQueued) and reports the GPU time it
+// measured with events, lazily. The arbiter therefore grants one instance at
+// a time (an exclusive holder per device): an instance's event timings are
+// only accurate when its work does not wait behind another instance's work.
+//
+// # Algorithm
+//
+// Every instance has a credit, in nanoseconds of device time. Each tick the
+// measured GPU time that appeared since the previous tick is charged:
+// credit -= charged. Credit is earned by policy:
+//
+//   - fixed-share: credit += c/100 * dt (wall time), whether or not the device
+//     is busy. Credit is capped at max(c/100 * Period, Quantum), so an
+//     instance returning from idle bursts at most about one period's worth,
+//     and floored at -Period. Only an instance with credit > 0 may hold; a
+//     non-holder needs credit >= min(H, cap/2) to be picked (H below).
+//   - guaranteed-burst-share and native-burst-share: the device time charged
+//     to anyone in the tick is handed out to the instances with demand in
+//     proportion to c (credit += c/Σc_demand * charged_total). Instances
+//     without demand earn nothing and their credit is clamped to <= 0 (no
+//     banking; debt from over-run is kept). Credits of the instances with
+//     demand are re-centred on zero every tick, so an instance that resumes
+//     joins at the average. Someone with demand always holds
+//     (work-conserving). With admission keeping Σc <= 100 the guaranteed
+//     policy's guarantee follows: a saturating instance gets at least
+//     c/Σc_demand >= c/100 of the device.
+//
+// "Demand" is: a thread is waiting for a grant, or Launches or GPUTime grew
+// since the previous tick, or Queued > 0.
+//
+// The holder keeps the grant while it has demand (and, under fixed-share,
+// credit > 0) unless another candidate's credit exceeds the holder's by more
+// than the hysteresis H = Quantum/5, or the holder has held for a Quantum and
+// another candidate has more credit. Then the candidate with the highest
+// credit is granted. Over-run (work that was queued before a revoke and ran
+// after it, up to one kernel when kernels are longer than the queue bound) is
+// charged when it is reported, which makes credit negative, and is paid back.
+//
+// # Hand-off
+//
+// When the grant moves from A to B, A's queued tail still runs. Two ways
+// exist (Config.Handoff): HandoffOverlap (the default) grants B at once and
+// discounts from B's next measured GPU time the part of A's tail B's first
+// kernel waited behind (estimated from A's Queued, the queue bound and A's
+// mean kernel length); HandoffDrain grants nobody until A's tail is
+// estimated done, which keeps measurements exact but leaves the device idle
+// for up to a tick per hand-off (more when ticks are late). HandoffImmediate
+// grants at once without a discount (for comparison only). The simulation in
+// the tests measures all three; see docs/arbiter.md.
+//
+// An Arbiter is not safe for concurrent use: the enforcer serialises calls.
+package arbiter
+
+import (
+	"time"
+
+	"github.com/mgpu-dev/mgpu/internal/policy"
+)
+
+// Defaults. DefaultMaxQueued is the value the enforcer should write into a
+// region's max_queued_ns; DefaultTick is the tick interval the arbiter is
+// designed for.
+const (
+	DefaultPeriod    = 100 * time.Millisecond
+	DefaultQuantum   = 5 * time.Millisecond
+	DefaultMaxQueued = 1 * time.Millisecond
+	DefaultTick      = 1 * time.Millisecond
+)
+
+// Handoff selects what happens to the device when the grant moves from one
+// instance to another while the first still has work queued.
+type Handoff int
+
+const (
+	// HandoffAdaptive overlaps when the previous holder's tail is a queue
+	// of short kernels (its length is then known to within a kernel) and
+	// drains when it is one long kernel (whose remaining time is not).
+	HandoffAdaptive Handoff = iota
+	// HandoffOverlap grants the new holder at once and discounts the
+	// estimated wait behind the previous holder's tail from its charge.
+	HandoffOverlap
+	// HandoffDrain grants nobody until the previous holder's tail is
+	// estimated to have run.
+	HandoffDrain
+	// HandoffImmediate grants at once and charges the new holder for
+	// whatever its events measured (over-charge included).
+	HandoffImmediate
+)
+
+// String returns the mode's name.
+func (h Handoff) String() string {
+	switch h {
+	case HandoffAdaptive:
+		return "adaptive"
+	case HandoffOverlap:
+		return "overlap"
+	case HandoffDrain:
+		return "drain"
+	case HandoffImmediate:
+		return "immediate"
+	}
+	return "handoff(?)"
+}
+
+// Config configures an Arbiter. Zero values select the defaults.
+type Config struct {
+	Policy policy.Policy // the device's policy
+	// Period is the arbitration period (compute_timeslice). It bounds the
+	// credit a fixed-share instance can bank (c/100 * Period) and the debt
+	// any instance can carry (Period). 0 selects DefaultPeriod.
+	Period time.Duration
+	// Quantum is the longest continuous hold before re-deciding
+	// (compute_timeslice_native_burst for native-burst-share). The
+	// hysteresis is Quantum/5. 0 selects DefaultQuantum.
+	Quantum time.Duration
+	// MaxQueued is the shim's per-process queue bound (max_queued_ns), used
+	// to estimate a revoked holder's tail. 0 selects DefaultMaxQueued.
+	MaxQueued time.Duration
+	// Handoff selects the hand-off mode; the zero value is HandoffAdaptive.
+	Handoff Handoff
+}
+
+// Usage is what the enforcer reads from an instance's region at a tick.
+type Usage struct {
+	GPUTime  time.Duration // cumulative measured GPU time (monotonic; all processes, dead ones included)
+	Queued   time.Duration // estimated GPU time submitted but not yet known complete
+	Waiting  bool          // at least one thread is blocked waiting for a grant
+	Launches uint64        // cumulative gated launches
+}
+
+// InstanceStats are an instance's cumulative accounting.
+type InstanceStats struct {
+	Core       int
+	Granted    time.Duration // time it held the grant
+	Used       time.Duration // measured GPU time seen since it was added
+	Charged    time.Duration // Used minus the hand-off discount
+	Discounted time.Duration // hand-off discount applied (HandoffOverlap)
+	Throttled  time.Duration // time it had demand but no grant
+	Credit     time.Duration // current credit (negative: debt)
+	Grants     uint64        // times it was granted after not holding
+	Demand     bool          // it had demand at the last tick
+	Holding    bool          // it holds the grant now
+}
+
+type instance struct {
+	id     int
+	core   int
+	weight float64
+
+	seen         bool
+	lastGPU      time.Duration
+	lastLaunches uint64
+	queued       time.Duration
+	waiting      bool
+	launchAt     time.Duration // estimated time of its last launch
+	demand       bool
+	charged      float64 // this tick, ns
+
+	credit   float64 // ns
+	discount float64 // ns still to discount (overlap hand-off)
+	kSum     float64 // decayed sums for the mean kernel length
+	lSum     float64
+
+	st InstanceStats
+}
+
+// Arbiter is the time-slice arbiter of one device. Not safe for concurrent
+// use.
+type Arbiter struct {
+	pol       policy.Policy
+	fixed     bool
+	period    float64
+	quantum   time.Duration
+	hyst      float64
+	maxQueued float64
+	handoff   Handoff
+
+	inst  []instance
+	index map[int]int
+
+	started bool
+	last    time.Duration
+	tickEst float64 // EWMA of the tick interval, ns
+
+	holder    int // index into inst, -1 none
+	holdStart time.Duration
+	holdGrace time.Duration // previous holder's tail the holder waited behind
+
+	tailFrom int           // index of the last revoked holder, -1 none
+	tailEnd  time.Duration // when its tail is estimated to end
+
+	out []int
+}
+
+// New returns an arbiter for one device.
+func New(cfg Config) *Arbiter {
+	if cfg.Period <= 0 {
+		cfg.Period = DefaultPeriod
+	}
+	if cfg.Quantum <= 0 {
+		cfg.Quantum = DefaultQuantum
+	}
+	if cfg.MaxQueued <= 0 {
+		cfg.MaxQueued = DefaultMaxQueued
+	}
+	return &Arbiter{
+		pol:       cfg.Policy,
+		fixed:     cfg.Policy == policy.FixedShare || !cfg.Policy.Valid(),
+		period:    float64(cfg.Period),
+		quantum:   cfg.Quantum,
+		hyst:      float64(cfg.Quantum) / 5,
+		maxQueued: float64(cfg.MaxQueued),
+		handoff:   cfg.Handoff,
+		index:     make(map[int]int),
+		tickEst:   float64(DefaultTick),
+		holder:    -1,
+		tailFrom:  -1,
+		out:       make([]int, 0, 1),
+	}
+}
+
+// Add registers instance id with its core (1..100; values outside are
+// clamped). Adding a known id updates its core and keeps its accounting.
+// The first Tick that carries the instance's usage takes its counters as
+// the baseline, so GPU time used before Add is not charged.
+func (a *Arbiter) Add(id int, core int) {
+	core = min(max(core, 1), 100)
+	if i, ok := a.index[id]; ok {
+		a.inst[i].core = core
+		a.inst[i].weight = float64(core)
+		a.inst[i].st.Core = core
+		return
+	}
+	a.index[id] = len(a.inst)
+	a.inst = append(a.inst, instance{id: id, core: core, weight: float64(core), st: InstanceStats{Core: core}})
+}
+
+// Remove forgets instance id; it is never granted again (unless re-added).
+func (a *Arbiter) Remove(id int) {
+	i, ok := a.index[id]
+	if !ok {
+		return
+	}
+	delete(a.index, id)
+	if a.holder == i {
+		a.holder = -1
+	}
+	if a.tailFrom == i {
+		a.tailFrom = -1
+	}
+	last := len(a.inst) - 1
+	if i != last {
+		a.inst[i] = a.inst[last]
+		a.index[a.inst[i].id] = i
+		if a.holder == last {
+			a.holder = i
+		}
+		if a.tailFrom == last {
+			a.tailFrom = i
+		}
+	}
+	a.inst[last] = instance{}
+	a.inst = a.inst[:last]
+}
+
+// Len returns the number of registered instances.
+func (a *Arbiter) Len() int { return len(a.inst) }
+
+// Holder returns the instance that holds the grant, if any.
+func (a *Arbiter) Holder() (int, bool) {
+	if a.holder < 0 {
+		return 0, false
+	}
+	return a.inst[a.holder].id, true
+}
+
+// Stats returns the accounting of instance id (the zero value if unknown).
+func (a *Arbiter) Stats(id int) InstanceStats {
+	i, ok := a.index[id]
+	if !ok {
+		return InstanceStats{}
+	}
+	in := &a.inst[i]
+	s := in.st
+	s.Credit = time.Duration(in.credit)
+	s.Demand = in.demand
+	s.Holding = a.holder == i
+	return s
+}
+
+// kernelDecay weights the mean kernel length estimate towards recent ticks.
+const kernelDecay = 7.0 / 8.0
+
+// Tick advances the arbiter to now (monotonic; a value before the previous
+// tick counts as no time passing) with the usage of the instances read at
+// this tick. An instance missing from usage is treated as having no demand
+// and no new GPU time. Tick returns the ids that hold a grant until the next
+// tick: at most one. The returned slice is reused by the next Tick.
+func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
+	var dt time.Duration
+	if a.started {
+		if now > a.last {
+			dt = now - a.last
+			a.last = now
+			a.tickEst += (float64(dt) - a.tickEst) / 8
+		}
+	} else {
+		a.started = true
+		a.last = now
+	}
+
+	// 1. Observe and charge.
+	var total, wd float64
+	for i := range a.inst {
+		in := &a.inst[i]
+		if dt > 0 {
+			if a.holder == i {
+				in.st.Granted += dt
+			} else if in.demand {
+				in.st.Throttled += dt
+			}
+		}
+		in.charged = 0
+		u, ok := usage[in.id]
+		if !ok {
+			in.demand = false
+			in.queued = 0
+			continue
+		}
+		var used time.Duration
+		var launched uint64
+		if in.seen {
+			if u.GPUTime >= in.lastGPU {
+				used = u.GPUTime - in.lastGPU
+			}
+			if u.Launches >= in.lastLaunches {
+				launched = u.Launches - in.lastLaunches
+			}
+		}
+		in.seen = true
+		in.lastGPU, in.lastLaunches = u.GPUTime, u.Launches
+		in.queued = max(u.Queued, 0)
+		in.waiting = u.Waiting
+		if used > 0 || launched > 0 {
+			in.kSum = in.kSum*kernelDecay + float64(used)
+			in.lSum = in.lSum*kernelDecay + float64(launched)
+		}
+		if launched > 0 {
+			in.launchAt = now - min(dt, time.Duration(a.kernel(in)))/2
+		}
+		c := float64(used)
+		if in.discount > 0 {
+			d := min(c, in.discount)
+			c -= d
+			in.discount -= d
+			in.st.Discounted += time.Duration(d)
+		}
+		in.st.Used += used
+		in.st.Charged += time.Duration(c)
+		in.charged = c
+		total += c
+		if a.holder == i {
+			in.demand = u.Waiting || !a.dry(in, launched, now)
+		} else {
+			in.demand = u.Waiting
+			if in.queued == 0 {
+				in.discount = 0 // everything it ran has been reported
+			}
+		}
+		if in.demand {
+			wd += in.weight
+		}
+	}
+
+	// 2. Earn credit.
+	if a.fixed {
+		acc := float64(min(dt, time.Duration(a.period)))
+		for i := range a.inst {
+			in := &a.inst[i]
+			in.credit += in.weight/100*acc - in.charged
+			in.credit = min(max(in.credit, -a.period), a.cap(in))
+		}
+	} else {
+		var sum float64
+		n := 0
+		for i := range a.inst {
+			in := &a.inst[i]
+			if in.demand {
+				in.credit += in.weight/wd*total - in.charged
+				sum += in.credit
+				n++
+			} else {
+				in.credit = min(in.credit-in.charged, 0)
+			}
+		}
+		if n > 0 {
+			mean := sum / float64(n)
+			for i := range a.inst {
+				in := &a.inst[i]
+				if in.demand {
+					in.credit -= mean
+				}
+			}
+		}
+		for i := range a.inst {
+			in := &a.inst[i]
+			in.credit = max(in.credit, -a.period)
+		}
+	}
+
+	// 3. Decide.
+	h := a.holder
+	best := -1
+	for i := range a.inst {
+		if i == h || !a.canEnter(i) {
+			continue
+		}
+		if best < 0 || a.inst[i].credit > a.inst[best].credit {
+			best = i
+		}
+	}
+	next := best
+	if h >= 0 && a.canHold(h, best >= 0) {
+		next = h
+		if best >= 0 {
+			hc, bc := a.inst[h].credit, a.inst[best].credit
+			hy := a.hysteresis(&a.inst[h], &a.inst[best])
+			if bc > hc+hy || (now-a.holdStart >= a.quantum && bc > hc) {
+				next = best
+			}
+		}
+	}
+	if next != h {
+		if h >= 0 {
+			a.revoke(h, now)
+		}
+		if next >= 0 && !a.grant(next, now) {
+			next = -1
+		}
+	}
+	a.holder = next
+	a.out = a.out[:0]
+	if next >= 0 {
+		a.out = append(a.out, a.inst[next].id)
+	}
+	return a.out
+}
+
+// cap is a fixed-share instance's credit ceiling.
+func (a *Arbiter) cap(in *instance) float64 {
+	return max(in.weight/100*a.period, float64(a.quantum))
+}
+
+// canHold reports whether holder i may keep the grant. A holder that ran dry
+// keeps it only while nobody else can take it (keeping costs nothing).
+func (a *Arbiter) canHold(i int, contested bool) bool {
+	in := &a.inst[i]
+	if contested && !in.demand {
+		return false
+	}
+	return !a.fixed || in.credit > 0
+}
+
+// canEnter reports whether non-holder i may be granted: it waits for a
+// grant and, under fixed-share, has banked at least the entry threshold
+// (the hysteresis, at most half its cap), so holds are not needlessly short.
+func (a *Arbiter) canEnter(i int) bool {
+	in := &a.inst[i]
+	if !in.demand {
+		return false
+	}
+	return !a.fixed || in.credit >= min(a.hysteresis(in, in), a.cap(in)/2)
+}
+
+// hysteresis is the credit lead a candidate needs to take the grant from
+// the holder: Quantum/5, and at least two kernels of either instance, so
+// that instances with long kernels are not handed off every kernel.
+func (a *Arbiter) hysteresis(h, b *instance) float64 {
+	return max(a.hyst, 2*a.kernel(h), 2*a.kernel(b))
+}
+
+// kernel returns the instance's recent mean kernel length (ns), 0 if unknown.
+func (a *Arbiter) kernel(in *instance) float64 {
+	if in.lSum <= 0 {
+		return 0
+	}
+	return in.kSum / in.lSum
+}
+
+// dry reports whether the holder has stopped submitting. A saturating
+// holder refills its queue whenever a kernel completes (Launches counts at
+// submission, before the completion is reported), so its reported Queued
+// never reaches zero, and it launches within about one kernel length of its
+// previous launch, or of the grant plus the previous holder's tail it waits
+// behind. So: nothing queued and nothing launched since the last tick, or no
+// launch for 1.25 kernel lengths plus a quarter tick, means it has run out of
+// work (or is busy on the CPU); what it queued runs anyway.
+func (a *Arbiter) dry(in *instance, launched uint64, now time.Duration) bool {
+	if launched > 0 {
+		return false
+	}
+	if in.queued == 0 && now > a.holdStart {
+		return true
+	}
+	last := max(in.launchAt, a.holdStart+a.holdGrace)
+	return float64(now-last) > 1.25*a.kernel(in)+a.tickEst/4
+}
+
+// tail estimates how much of instance i's queued work is still to run at
+// now. A shim queue holds n = max(1, bound/k) kernels of mean length k and is
+// refilled at every completion, so right after the last launch it holds n*k
+// and drains from then on. The reported Queued (which lags completions)
+// bounds the estimate.
+func (a *Arbiter) tail(i int, now time.Duration) float64 {
+	in := &a.inst[i]
+	q := float64(in.queued)
+	if q <= 0 {
+		return 0
+	}
+	k := a.kernel(in)
+	if k <= 0 {
+		return min(q, a.maxQueued)
+	}
+	n := max(1, float64(int64(a.maxQueued/k)))
+	return min(q, max(0, n*k-float64(now-in.launchAt)))
+}
+
+func (a *Arbiter) revoke(i int, now time.Duration) {
+	a.tailFrom = i
+	a.tailEnd = now + time.Duration(a.tail(i, now))
+}
+
+// grant makes i the holder at now; it reports false when the hand-off mode
+// says to wait for the previous holder's tail.
+func (a *Arbiter) grant(i int, now time.Duration) bool {
+	if a.tailFrom >= 0 && a.tailFrom != i {
+		rem := float64(a.tailEnd - now)
+		mode := a.handoff
+		if mode == HandoffAdaptive {
+			mode = HandoffOverlap
+			if 2*a.kernel(&a.inst[a.tailFrom]) > a.maxQueued {
+				mode = HandoffDrain
+			}
+		}
+		switch mode {
+		case HandoffDrain:
+			if rem > a.tickEst/2 && a.inst[a.tailFrom].queued > 0 {
+				return false
+			}
+		case HandoffOverlap:
+			if rem > 0 {
+				a.inst[i].discount += rem
+			}
+		}
+	}
+	a.holdGrace = 0
+	if a.tailFrom >= 0 && a.tailFrom != i {
+		a.holdGrace = max(0, a.tailEnd-now)
+	}
+	a.tailFrom = -1
+	a.holdStart = now
+	a.inst[i].st.Grants++
+	return true
+}

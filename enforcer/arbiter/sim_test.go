@@ -1,0 +1,327 @@
+package arbiter
+
+import (
+	"math/rand/v2"
+	"time"
+)
+
+// This file is a discrete-event model of one time-sliced device, its shim
+// and the enforcer's tick loop, on a virtual clock:
+//
+//   - the device runs one kernel at a time, in submission order across all
+//     instances (a kernel submitted behind another instance's work waits);
+//   - each instance is one process whose shim launches kernels of a fixed
+//     length while it holds the grant and its queued work is below the queue
+//     bound (one kernel is always allowed when nothing is queued, so a kernel
+//     longer than the bound runs alone);
+//   - the shim times each kernel with events: measured = end -
+//     max(submit, previous end on its stream), which includes time spent
+//     waiting behind another instance's tail;
+//   - the shim publishes measured time lazily: a completion becomes visible
+//     in the region at the process's next flush (every simFlush, with a
+//     per-instance phase), so GPUTime lags by up to simFlush and Queued
+//     (submitted minus reported) over-estimates;
+//   - the enforcer ticks every 1 ms, or at jittered intervals, reads the
+//     regions, calls Arbiter.Tick and applies the grant at once.
+
+const (
+	simFlush = time.Millisecond
+	simBin   = time.Millisecond
+)
+
+// workload says when an instance has GPU work to submit.
+type workload interface {
+	has(now time.Duration) bool
+	consume(k time.Duration)
+	// next returns the next time after now at which has may turn true
+	// by itself (a block of work arriving), or -1.
+	next(now time.Duration) time.Duration
+}
+
+// saturating has work inside [on, off) (off 0: forever).
+type saturating struct{ on, off time.Duration }
+
+func (w saturating) has(now time.Duration) bool {
+	return now >= w.on && (w.off == 0 || now < w.off)
+}
+func (w saturating) consume(time.Duration) {}
+func (w saturating) next(now time.Duration) time.Duration {
+	if now < w.on {
+		return w.on
+	}
+	return -1
+}
+
+// arrivals gets a block of job GPU time every every (open loop): it uses
+// job/every of the device when it is served.
+type arrivals struct {
+	job, every time.Duration
+	backlog    time.Duration
+	arrived    time.Duration // time of the last arrival
+	started    bool
+}
+
+func (w *arrivals) catchUp(now time.Duration) {
+	if !w.started {
+		w.started = true
+		w.backlog = w.job
+		w.arrived = 0
+	}
+	for w.arrived+w.every <= now {
+		w.arrived += w.every
+		w.backlog += w.job
+	}
+}
+func (w *arrivals) has(now time.Duration) bool { w.catchUp(now); return w.backlog > 0 }
+func (w *arrivals) consume(k time.Duration)    { w.backlog -= k }
+func (w *arrivals) next(now time.Duration) time.Duration {
+	w.catchUp(now)
+	return w.arrived + w.every
+}
+
+type simKernel struct {
+	inst          int
+	length        time.Duration
+	submit, start time.Duration
+}
+
+type simInst struct {
+	id   int
+	core int
+	klen time.Duration
+	work workload
+
+	granted    bool
+	inflightNs time.Duration // real, known to the shim
+	submitted  time.Duration // sum of kernel lengths submitted (the shim's estimate)
+	launches   uint64
+	lastEnd    time.Duration
+	phase      time.Duration
+
+	pending  []simReport
+	repGPU   time.Duration
+	repDone  time.Duration
+	busy     []float64 // ns executed per simBin
+	executed time.Duration
+	measured time.Duration
+}
+
+type simReport struct {
+	at, measured, length time.Duration
+}
+
+type simSpec struct {
+	core int
+	klen time.Duration
+	work workload
+}
+
+type sim struct {
+	arb      *Arbiter
+	insts    []*simInst
+	bound    time.Duration
+	end      time.Duration
+	jitter   bool // ticks every 1..3 ms instead of 1 ms
+	rng      *rand.Rand
+	fifo     []simKernel
+	running  bool
+	cur      simKernel
+	devEnd   time.Duration
+	nextTick time.Duration
+	usage    map[int]Usage
+	ticks    int
+	multi    int // ticks that returned more than one id
+	onTick   func(now time.Duration, granted []int)
+	now      time.Duration
+}
+
+func newSim(cfg Config, end time.Duration, specs ...simSpec) *sim {
+	s := &sim{
+		arb:   New(cfg),
+		bound: DefaultMaxQueued,
+		end:   end,
+		rng:   rand.New(rand.NewPCG(1, 2)),
+		usage: make(map[int]Usage),
+	}
+	if cfg.MaxQueued > 0 {
+		s.bound = cfg.MaxQueued
+	}
+	bins := int(end/simBin) + 1
+	for i, sp := range specs {
+		in := &simInst{
+			id:    100 + i,
+			core:  sp.core,
+			klen:  sp.klen,
+			work:  sp.work,
+			phase: time.Duration(i*397) * time.Microsecond % simFlush,
+			busy:  make([]float64, bins),
+		}
+		s.insts = append(s.insts, in)
+		s.arb.Add(in.id, in.core)
+	}
+	return s
+}
+
+func (s *sim) run() {
+	for {
+		t := s.nextTick
+		if s.running && s.devEnd <= t {
+			t = s.devEnd
+		}
+		for _, in := range s.insts {
+			if n := in.work.next(s.now); n >= 0 && n < t {
+				t = n
+			}
+		}
+		if t >= s.end {
+			return
+		}
+		s.now = t
+		switch {
+		case s.running && s.devEnd == t:
+			s.complete(t)
+		case t == s.nextTick:
+			s.tick(t)
+		default:
+			for i := range s.insts {
+				s.submit(i, t)
+			}
+		}
+	}
+}
+
+func (s *sim) submit(i int, now time.Duration) {
+	in := s.insts[i]
+	for in.granted && in.work.has(now) && (in.inflightNs == 0 || in.inflightNs+in.klen <= s.bound) {
+		k := simKernel{inst: i, length: in.klen, submit: now}
+		in.inflightNs += in.klen
+		in.submitted += in.klen
+		in.launches++
+		in.work.consume(in.klen)
+		if !s.running {
+			s.startKernel(k, now)
+		} else {
+			s.fifo = append(s.fifo, k)
+		}
+	}
+}
+
+func (s *sim) startKernel(k simKernel, now time.Duration) {
+	k.start = now
+	s.cur = k
+	s.running = true
+	s.devEnd = now + k.length
+}
+
+func (s *sim) complete(now time.Duration) {
+	k := s.cur
+	in := s.insts[k.inst]
+	s.addBusy(in, k.start, now)
+	in.executed += k.length
+	m := now - max(k.submit, in.lastEnd)
+	in.measured += m
+	in.lastEnd = now
+	in.inflightNs -= k.length
+	at := in.phase + ((now-in.phase+simFlush-1)/simFlush)*simFlush
+	in.pending = append(in.pending, simReport{at: at, measured: m, length: k.length})
+	s.running = false
+	if len(s.fifo) > 0 {
+		n := s.fifo[0]
+		copy(s.fifo, s.fifo[1:])
+		s.fifo = s.fifo[:len(s.fifo)-1]
+		s.startKernel(n, now)
+	}
+	s.submit(k.inst, now)
+}
+
+func (s *sim) addBusy(in *simInst, from, to time.Duration) {
+	for from < to {
+		b := from / simBin
+		e := min(to, (b+1)*simBin)
+		in.busy[b] += float64(e - from)
+		from = e
+	}
+}
+
+func (s *sim) tick(now time.Duration) {
+	for _, in := range s.insts {
+		n := 0
+		for _, r := range in.pending {
+			if r.at > now {
+				break
+			}
+			in.repGPU += r.measured
+			in.repDone += r.length
+			n++
+		}
+		in.pending = in.pending[:copy(in.pending, in.pending[n:])]
+		s.usage[in.id] = Usage{
+			GPUTime:  in.repGPU,
+			Queued:   in.submitted - in.repDone,
+			Waiting:  in.work.has(now) && !in.granted,
+			Launches: in.launches,
+		}
+	}
+	g := s.arb.Tick(now, s.usage)
+	s.ticks++
+	if len(g) > 1 {
+		s.multi++
+	}
+	if s.onTick != nil {
+		s.onTick(now, g)
+	}
+	for _, in := range s.insts {
+		in.granted = false
+		for _, id := range g {
+			if id == in.id {
+				in.granted = true
+			}
+		}
+	}
+	for i := range s.insts {
+		s.submit(i, now)
+	}
+	if s.jitter {
+		s.nextTick = now + time.Millisecond + time.Duration(s.rng.Int64N(int64(2*time.Millisecond)))
+	} else {
+		s.nextTick = now + time.Millisecond
+	}
+}
+
+// share returns instance i's percentage of device time in [from, to)
+// (bin-aligned).
+func (s *sim) share(i int, from, to time.Duration) float64 {
+	var sum float64
+	for b := from / simBin; b < to/simBin; b++ {
+		sum += s.insts[i].busy[b]
+	}
+	return 100 * sum / float64(to-from)
+}
+
+// busy returns the device's busy percentage in [from, to).
+func (s *sim) busy(from, to time.Duration) float64 {
+	var sum float64
+	for i := range s.insts {
+		sum += s.share(i, from, to)
+	}
+	return sum
+}
+
+// minSliding returns the lowest share of instance i over any window of
+// length w that starts in [from, to-w] (bin steps).
+func (s *sim) minSliding(i int, from, to, w time.Duration) float64 {
+	m := 1e9
+	for a := from; a+w <= to; a += simBin {
+		m = min(m, s.share(i, a, a+w))
+	}
+	return m
+}
+
+// maxSliding is minSliding's upper counterpart.
+func (s *sim) maxSliding(i int, from, to, w time.Duration) float64 {
+	m := -1e9
+	for a := from; a+w <= to; a += simBin {
+		m = max(m, s.share(i, a, a+w))
+	}
+	return m
+}
