@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -860,6 +861,7 @@ static void run_kernel(CUcontext c, uint64_t dur)
 static void *worker_main(void *p)
 {
     struct CUstream_st *s = p;
+    prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL); /* kernels end on time, not 50 us late */
     for (;;) {
         uint64_t h = atomic_load(&s->head);
         if (h == atomic_load(&s->tail)) {
