@@ -2,6 +2,7 @@ package arbiter
 
 import (
 	"fmt"
+	"math"
 	"testing"
 	"time"
 
@@ -300,4 +301,26 @@ func TestGuaranteedBurst(t *testing.T) {
 		}
 	}
 	runScenarios(t, cases)
+}
+
+// TestHandoffModes measures the hand-off modes side by side (fixed-share
+// 30/70, both saturating, over 10 s) and checks that the default, adaptive,
+// holds every share within ε. The table it logs is the one in
+// docs/arbiter.md.
+func TestHandoffModes(t *testing.T) {
+	t.Parallel()
+	for _, k := range []time.Duration{50 * us, 5 * ms} {
+		for _, jit := range []bool{false, true} {
+			for _, mode := range []Handoff{HandoffAdaptive, HandoffOverlap, HandoffDrain, HandoffImmediate} {
+				s := newSim(Config{Policy: policy.FixedShare, Handoff: mode}, 10*sec, specs([]int{30, 70}, k)...)
+				s.jitter = jit
+				s.run()
+				a, b := s.share(0, 0, 10*sec), s.share(1, 0, 10*sec)
+				t.Logf("k=%-5v jitter=%-5v %-9v 30 -> %5.2f  70 -> %5.2f  busy %6.2f", k, jit, mode, a, b, a+b)
+				if mode == HandoffAdaptive && (math.Abs(a-30) > eps || math.Abs(b-70) > eps) {
+					t.Errorf("adaptive: k=%v jitter=%v: shares %.2f/%.2f, want 30/70 ±%v", k, jit, a, b, eps)
+				}
+			}
+		}
+	}
 }
