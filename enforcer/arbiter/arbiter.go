@@ -35,28 +35,44 @@
 //     policy's guarantee follows: a saturating instance gets at least
 //     c/Σc_demand >= c/100 of the device.
 //
-// "Demand" is: a thread is waiting for a grant, or Launches or GPUTime grew
-// since the previous tick, or Queued > 0.
+// "Demand": a non-holder has demand when a thread waits for a grant
+// (it cannot submit without one). The holder has demand until it runs dry:
+// nothing queued and nothing launched since the previous tick, or no launch
+// for 1.25 mean kernel lengths plus a quarter tick (a saturating holder
+// refills its queue at every completion). A dry holder keeps the grant only
+// while nobody else waits, so the device is handed on as soon as the holder
+// stops using it.
 //
 // The holder keeps the grant while it has demand (and, under fixed-share,
 // credit > 0) unless another candidate's credit exceeds the holder's by more
-// than the hysteresis H = Quantum/5, or the holder has held for a Quantum and
-// another candidate has more credit. Then the candidate with the highest
-// credit is granted. Over-run (work that was queued before a revoke and ran
-// after it, up to one kernel when kernels are longer than the queue bound) is
-// charged when it is reported, which makes credit negative, and is paid back.
+// than the hysteresis H = max(Quantum/5, 2 kernels of either), or the holder
+// has held for a Quantum and another candidate has more credit. Then the
+// candidate with the highest credit is granted. Over-run (work queued before
+// a revoke that ran after it, up to one kernel when kernels are longer than
+// the queue bound) is charged when it is reported, which makes credit
+// negative, and is paid back.
 //
 // # Hand-off
 //
-// When the grant moves from A to B, A's queued tail still runs. Two ways
-// exist (Config.Handoff): HandoffOverlap (the default) grants B at once and
-// discounts from B's next measured GPU time the part of A's tail B's first
-// kernel waited behind (estimated from A's Queued, the queue bound and A's
-// mean kernel length); HandoffDrain grants nobody until A's tail is
-// estimated done, which keeps measurements exact but leaves the device idle
-// for up to a tick per hand-off (more when ticks are late). HandoffImmediate
-// grants at once without a discount (for comparison only). The simulation in
-// the tests measures all three; see docs/arbiter.md.
+// When the grant moves from A to B, A's queued tail still runs; B's first
+// kernel waits behind it and B's events time that wait. The modes
+// (Config.Handoff): HandoffOverlap grants B at once and discounts from B's
+// next measured GPU time A's estimated remaining tail (from A's Queued, the
+// queue bound and A's mean kernel length and last launch); HandoffDrain
+// grants nobody until A's tail is estimated done or A reports nothing
+// queued; HandoffImmediate grants at once without a discount.
+// HandoffAdaptive (the default) overlaps when A's kernels are short (the
+// tail is a full queue, known to within a kernel) and drains when they are
+// longer than half the queue bound (the remaining part of one long kernel is
+// not known). The tests measure all four; see docs/arbiter.md.
+//
+// # Defaults
+//
+// Period 100 ms (fixed-share bank c/100*Period; any 10 s window then holds
+// at most Period*c/100 extra, <= 1 point), Quantum 5 ms (H = 1 ms), queue
+// bound 1 ms, tick 1 ms. A shorter quantum tracks shares over shorter
+// windows (50 ms windows stay within 2 points at 1 ms ticks) at the cost of
+// more hand-offs; each costs the error of one tail estimate.
 //
 // An Arbiter is not safe for concurrent use: the enforcer serialises calls.
 package arbiter
