@@ -1,0 +1,133 @@
+package hook
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+
+	oci "github.com/opencontainers/runtime-spec/specs-go"
+)
+
+// Size limits of what the hook reads. An OCI state is a few hundred bytes;
+// a config.json rarely exceeds a few hundred KiB.
+const (
+	MaxStateBytes  = 64 << 10
+	MaxConfigBytes = 8 << 20
+	maxIDLen       = 1024
+)
+
+// ErrTooLarge is returned (wrapped) for input over its size limit.
+var ErrTooLarge = errors.New("too large")
+
+// ParseState decodes the OCI state a runtime writes on a hook's stdin. It
+// reads at most MaxStateBytes, accepts one JSON object and nothing after it,
+// and requires a valid container id and an absolute bundle path. The pid is
+// checked by the caller (createRuntime needs one, poststop may have none).
+func ParseState(r io.Reader) (*oci.State, error) {
+	data, err := readBounded(r, MaxStateBytes)
+	if err != nil {
+		return nil, fmt.Errorf("read OCI state from stdin: %w", err)
+	}
+	var st oci.State
+	if err := decodeStrict(data, &st); err != nil {
+		return nil, fmt.Errorf("OCI state on stdin: %w", err)
+	}
+	if err := ValidateID(st.ID); err != nil {
+		return nil, fmt.Errorf("OCI state on stdin: %w", err)
+	}
+	if st.Pid < 0 {
+		return nil, fmt.Errorf("OCI state on stdin: pid %d is negative", st.Pid)
+	}
+	if st.Bundle == "" || !filepath.IsAbs(st.Bundle) {
+		return nil, fmt.Errorf("OCI state on stdin: bundle %q is not an absolute path", st.Bundle)
+	}
+	return &st, nil
+}
+
+// ValidateID checks a container id: 1..1024 bytes of letters, digits and
+// "_+-." (runc's rule), and not "." or "..".
+func ValidateID(id string) error {
+	if id == "" {
+		return errors.New("container id is empty")
+	}
+	if len(id) > maxIDLen {
+		return fmt.Errorf("container id is %d bytes long (at most %d)", len(id), maxIDLen)
+	}
+	if id == "." || id == ".." {
+		return fmt.Errorf("container id %q is not valid", id)
+	}
+	for i := 0; i < len(id); i++ {
+		c := id[i]
+		switch {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '_', c == '+', c == '-', c == '.':
+		default:
+			return fmt.Errorf("container id %q has a character other than letters, digits and _+-.", id)
+		}
+	}
+	return nil
+}
+
+// LoadBundle reads <bundle>/config.json (at most MaxConfigBytes).
+func LoadBundle(bundle string) (*oci.Spec, error) {
+	path := filepath.Join(bundle, "config.json")
+	f, err := os.Open(path) //nolint:gosec // the bundle path comes from the runtime
+	if err != nil {
+		return nil, fmt.Errorf("read the container's config: %w", err)
+	}
+	defer f.Close()
+	data, err := readBounded(f, MaxConfigBytes)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", path, err)
+	}
+	var spec oci.Spec
+	if err := decodeStrict(data, &spec); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return &spec, nil
+}
+
+// Annotations returns the container's annotations: config.json's, and the
+// state's for keys config.json lacks (the runtime copies them, so they
+// agree).
+func Annotations(st *oci.State, spec *oci.Spec) map[string]string {
+	out := make(map[string]string, len(spec.Annotations)+len(st.Annotations))
+	for k, v := range st.Annotations {
+		out[k] = v
+	}
+	for k, v := range spec.Annotations {
+		out[k] = v
+	}
+	return out
+}
+
+func readBounded(r io.Reader, limit int64) ([]byte, error) {
+	data, err := io.ReadAll(io.LimitReader(r, limit+1))
+	if err != nil {
+		return nil, err
+	}
+	if int64(len(data)) > limit {
+		return nil, fmt.Errorf("%w: more than %d bytes", ErrTooLarge, limit)
+	}
+	return data, nil
+}
+
+// decodeStrict decodes exactly one JSON value and rejects anything but
+// white space after it. Unknown fields are allowed (newer runtime-spec
+// versions add some).
+func decodeStrict(data []byte, v any) error {
+	if len(bytes.TrimSpace(data)) == 0 {
+		return errors.New("empty input (want a JSON object)")
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	if err := dec.Decode(v); err != nil {
+		return fmt.Errorf("invalid JSON: %w", err)
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return errors.New("invalid JSON: data after the object")
+	}
+	return nil
+}
