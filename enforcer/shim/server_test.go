@@ -43,6 +43,7 @@ type testServer struct {
 	refuse atomic.Pointer[string] // non-nil: answer every attach with NO_INSTANCE and this message
 	conns  atomic.Int64
 	mu     sync.Mutex // slot assignment
+	claims []string   // pids that attached, in order; under mu
 	wg     sync.WaitGroup
 }
 
@@ -166,6 +167,7 @@ func (s *testServer) claim(pid uint32) int {
 		p := s.reg.Proc(i)
 		if p.PID.Load() == 0 {
 			p.Claim(pid, 1)
+			s.claims = append(s.claims, strconv.Itoa(int(pid)))
 			return i
 		}
 	}
@@ -213,3 +215,10 @@ func (s *testServer) used() uint64 {
 }
 
 func (s *testServer) setGrant(v uint32) { s.reg.SetGrant(v) }
+
+// claimedPids lists the pids that attached, in order.
+func (s *testServer) claimedPids() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]string(nil), s.claims...)
+}

@@ -52,12 +52,23 @@ static void *real_of(const struct mgpu_sym *s)
     return p;
 }
 
-static const struct mgpu_sym *sym_by_name(const char *name)
+/* dlsym is called by sanitizer runtimes before they are initialised, so the
+ * code on its pass-through path is not instrumented and calls no libc. */
+#define MGPU_NO_SANITIZE __attribute__((no_sanitize("address", "undefined")))
+
+MGPU_NO_SANITIZE static int str_eq(const char *a, const char *b)
 {
-    if (!name || (name[0] != 'c' && name[0] != 'n'))
+    while (*a && *a == *b)
+        a++, b++;
+    return *a == *b;
+}
+
+MGPU_NO_SANITIZE static const struct mgpu_sym *sym_by_name(const char *name)
+{
+    if (!name || !((name[0] == 'c' && name[1] == 'u') || (name[0] == 'n' && name[1] == 'v')))
         return NULL;
     for (size_t i = 0; i < NSYMS; i++)
-        if (strcmp(g_syms[i].name, name) == 0)
+        if (str_eq(g_syms[i].name, name))
             return &g_syms[i];
     return NULL;
 }
@@ -67,7 +78,7 @@ static const struct mgpu_sym *sym_by_name(const char *name)
 typedef void *(*dlsym_fn)(void *, const char *);
 static _Atomic(dlsym_fn) g_real_dlsym;
 
-static dlsym_fn real_dlsym(void)
+MGPU_NO_SANITIZE static dlsym_fn real_dlsym(void)
 {
     dlsym_fn f = atomic_load_explicit(&g_real_dlsym, memory_order_acquire);
     if (MGPU_LIKELY(f))
@@ -650,13 +661,20 @@ MGPU_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVe
 
 /* ---- dlsym ---- */
 
+static void *dlsym_override_cuda(const struct mgpu_sym *s, void *handle, const char *name, const void *caller);
+
 /* Returns the wrapper to hand out instead of what the real dlsym finds, or
  * NULL to answer exactly as the real dlsym does. */
-static void *dlsym_override(void *handle, const char *name, const void *caller)
+MGPU_NO_SANITIZE static void *dlsym_override(void *handle, const char *name, const void *caller)
 {
     const struct mgpu_sym *s = sym_by_name(name);
     if (!s || handle == RTLD_DEFAULT) /* RTLD_DEFAULT already finds our export first */
         return NULL;
+    return dlsym_override_cuda(s, handle, name, caller);
+}
+
+static void *dlsym_override_cuda(const struct mgpu_sym *s, void *handle, const char *name, const void *caller)
+{
     if (s->nvml ? mgpu_load_nvml() : mgpu_load_cuda())
         return NULL;
     struct link_map *drv = s->nvml ? g_nvml.map : g_cuda.map;
@@ -671,7 +689,7 @@ static void *dlsym_override(void *handle, const char *name, const void *caller)
     return p && map_of(p) == drv ? s->wrapper : NULL;
 }
 
-MGPU_EXPORT void *dlsym(void *handle, const char *name)
+MGPU_NO_SANITIZE MGPU_EXPORT void *dlsym(void *handle, const char *name)
 {
     void *w = dlsym_override(handle, name, __builtin_return_address(0));
     if (w)

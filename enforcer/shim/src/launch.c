@@ -1,21 +1,94 @@
 /*
- * launch.c - compute gating (the launch family).  Part 1: the grant gate.
+ * launch.c - compute gating and measured GPU time (the launch family).
+ *
+ * Fast path (every launch): one atomic load of the grant, a thread-local
+ * lookup of the stream's state, two counter updates and one compare.  No
+ * system call, no lock.  Everything else happens on the slow path, which a
+ * stream enters about once per 0.25-0.5 ms of GPU work.
+ *
+ * Measured GPU time.  Per stream, launches are grouped into batches of
+ * per_mark launches.  A batch ends with a "mark": a timing event recorded
+ * after its last launch.  It starts either at the previous batch's mark
+ * (the stream was still busy) or at a fresh "busy start" event recorded just
+ * before its first launch (the stream was idle: every earlier mark had
+ * completed).  When a mark completes, elapsed(start, mark) is added to the
+ * slot's gpu_ns, and the mean GPU time per launch is updated; per_mark adapts
+ * so that marks are about MGPU_TARGET_MARK_NS of GPU time apart.
+ *
+ * Bounded queue.  queued_ns is (launches submitted, not known complete) x
+ * (mean GPU time per launch), summed over the process's streams on the
+ * device.  Before a launch would take it over max_queued_ns, the launching
+ * thread waits on the stream's oldest outstanding mark (cuEventSynchronize).
+ *
+ * Event ownership: a batch's start event is released when its mark is
+ * processed; a mark's event is released either as the next batch's start
+ * (when that batch is processed) or when the next batch starts fresh.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "shim.h"
 
-pthread_mutex_t mgpu_acct_mu = PTHREAD_MUTEX_INITIALIZER;
+#define MGPU_RING 64                 /* outstanding marks per stream */
+#define MGPU_POOL (2 * MGPU_RING + 4) /* events per stream */
+#define MGPU_TARGET_MARK_NS 375000u  /* GPU time between marks */
+#define MGPU_MAX_PER_MARK 4096u
+#define MGPU_MAX_STREAMS 4096u
+#define MGPU_WAIT_SLICE_NS 1000000   /* futex timeout while waiting for a grant */
 
-void mgpu_launch_reset_after_fork(void)
-{
-}
+#define KEY_LEGACY ((uintptr_t)CU_STREAM_LEGACY)
+#define KEY_PER_THREAD ((uintptr_t)CU_STREAM_PER_THREAD)
+
+struct mark {
+    CUevent ref; /* where the batch started */
+    CUevent end; /* recorded after its last launch */
+    uint64_t at; /* stream launch count at the mark */
+};
+
+struct sstate {
+    /* read by the fast path */
+    _Atomic uint64_t submitted; /* launches submitted on this stream */
+    _Atomic uint64_t check_at;  /* the fast path takes the slow path when submitted reaches this */
+    _Atomic int capturing;      /* stream capture: launches only build a graph */
+    /* identity */
+    struct mgpu_dev *dev;
+    uintptr_t key;
+    pthread_t owner; /* per-thread default stream: its thread */
+    unsigned gen;
+    struct sstate *next;
+    /* under mgpu_acct_mu */
+    uint64_t marked;    /* launch count at the newest mark */
+    uint64_t completed; /* launch count at the newest completed mark */
+    CUevent last_end;   /* the newest mark's event, until released */
+    CUevent batch_ref;  /* start of the open batch; NULL: none open */
+    struct mark ring[MGPU_RING];
+    unsigned head, count;
+    CUevent pool[MGPU_POOL];
+    unsigned npool, nevents;
+    uint64_t avg_ns; /* mean GPU time per launch; 0: not measured yet */
+    uint64_t per_mark;
+    uint64_t queued_ns; /* this stream's part of the device's queued_ns */
+};
+
+pthread_mutex_t mgpu_acct_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct sstate *g_streams; /* under mgpu_acct_mu; never freed */
+static unsigned g_nstreams;
+static uint64_t g_dev_queued[MGPU_MAX_DEVICES]; /* by ordinal, under mgpu_acct_mu */
+
+struct tl_ent {
+    struct mgpu_dev *dev;
+    uintptr_t key;
+    struct sstate *ss;
+};
+#define TL_ENTS 4
+static __thread struct tl_ent tl_cache[TL_ENTS] __attribute__((tls_model("initial-exec")));
 
 static uint64_t now_ns(void)
 {
@@ -24,125 +97,580 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+static CUstream stream_handle(const struct sstate *ss)
+{
+    return (CUstream)ss->key; /* KEY_LEGACY and KEY_PER_THREAD are the API's own handles */
+}
+
+static inline uintptr_t stream_key(CUstream h, int ptsz)
+{
+    if (h == NULL)
+        return ptsz ? KEY_PER_THREAD : KEY_LEGACY;
+    return (uintptr_t)h;
+}
+
+/* ---- events ---- */
+
+static CUevent ev_get(struct sstate *ss)
+{
+    if (ss->npool)
+        return ss->pool[--ss->npool];
+    if (ss->nevents >= MGPU_POOL)
+        return NULL;
+    CUevent e;
+    if (REAL(cuEventCreate)(&e, CU_EVENT_DEFAULT) != CUDA_SUCCESS)
+        return NULL;
+    ss->nevents++;
+    return e;
+}
+
+static void ev_put(struct sstate *ss, CUevent e)
+{
+    if (e && ss->npool < MGPU_POOL)
+        ss->pool[ss->npool++] = e;
+}
+
+/* ---- accounting (all under mgpu_acct_mu) ---- */
+
+static void ss_reset(struct sstate *ss)
+{
+    /* After fork: the events belong to the parent's contexts; forget them. */
+    atomic_store(&ss->submitted, 0);
+    atomic_store(&ss->check_at, 1);
+    atomic_store(&ss->capturing, 0);
+    ss->marked = ss->completed = 0;
+    ss->last_end = ss->batch_ref = NULL;
+    ss->head = ss->count = ss->npool = ss->nevents = 0;
+    ss->avg_ns = 0;
+    ss->per_mark = 1;
+    ss->queued_ns = 0;
+    ss->gen = mgpu_generation;
+}
+
+static uint64_t target_mark_ns(const struct mgpu_dev *d)
+{
+    uint64_t t = MGPU_TARGET_MARK_NS;
+    if (d->max_queued_ns && d->max_queued_ns / 4 < t)
+        t = d->max_queued_ns / 4;
+    return t ? t : 1;
+}
+
+static void set_queued(struct sstate *ss)
+{
+    uint64_t sub = atomic_load_explicit(&ss->submitted, memory_order_relaxed);
+    uint64_t out = sub > ss->completed ? sub - ss->completed : 0;
+    uint64_t q = out * ss->avg_ns;
+    uint64_t *tot = &g_dev_queued[ss->dev->ordinal];
+    *tot = *tot - ss->queued_ns + q;
+    ss->queued_ns = q;
+    atomic_store_explicit(&ss->dev->slot->queued_ns, *tot, memory_order_relaxed);
+}
+
+/* Processes the stream's completed marks, oldest first. */
+static void poll_ss(struct sstate *ss)
+{
+    uint64_t gpu = 0;
+    while (ss->count) {
+        struct mark *m = &ss->ring[ss->head];
+        CUresult r = REAL(cuEventQuery)(m->end);
+        if (r == CUDA_ERROR_NOT_READY)
+            break;
+        if (r == CUDA_SUCCESS && m->ref) {
+            float ms = 0;
+            if (REAL(cuEventElapsedTime)(&ms, m->ref, m->end) == CUDA_SUCCESS && ms > 0) {
+                uint64_t ns = (uint64_t)((double)ms * 1e6 + 0.5);
+                uint64_t n = m->at > ss->completed ? m->at - ss->completed : 1;
+                uint64_t sample = ns / n;
+                ss->avg_ns = ss->avg_ns ? (3 * ss->avg_ns + sample + 2) / 4 : (sample ? sample : 1);
+                gpu += ns;
+            }
+        }
+        ss->completed = m->at > ss->completed ? m->at : ss->completed;
+        ev_put(ss, m->ref);
+        ss->head = (ss->head + 1) % MGPU_RING;
+        ss->count--;
+    }
+    if (gpu)
+        atomic_fetch_add_explicit(&ss->dev->slot->gpu_ns, gpu, memory_order_relaxed);
+    if (ss->avg_ns) {
+        uint64_t pm = target_mark_ns(ss->dev) / ss->avg_ns;
+        ss->per_mark = pm < 1 ? 1 : pm > MGPU_MAX_PER_MARK ? MGPU_MAX_PER_MARK : pm;
+    }
+    set_queued(ss);
+}
+
+/* Waits for the stream's oldest outstanding mark; drops and retakes the lock. */
+static void wait_oldest(struct sstate *ss)
+{
+    CUevent e = ss->ring[ss->head].end;
+    pthread_mutex_unlock(&mgpu_acct_mu);
+    REAL(cuEventSynchronize)(e);
+    pthread_mutex_lock(&mgpu_acct_mu);
+}
+
+/* Records a mark after launch number at, ending the open batch. */
+static int record_mark(struct sstate *ss, uint64_t at)
+{
+    if (!ss->batch_ref)
+        return -1;
+    while (ss->count == MGPU_RING) {
+        wait_oldest(ss);
+        poll_ss(ss);
+        if (ss->gen != mgpu_generation)
+            return -1;
+    }
+    CUevent e = ev_get(ss);
+    if (!e)
+        return -1;
+    if (REAL(cuEventRecord)(e, stream_handle(ss)) != CUDA_SUCCESS) {
+        ev_put(ss, e);
+        return -1;
+    }
+    unsigned i = (ss->head + ss->count) % MGPU_RING;
+    ss->ring[i] = (struct mark){.ref = ss->batch_ref, .end = e, .at = at};
+    ss->count++;
+    ss->last_end = e;
+    ss->batch_ref = NULL;
+    ss->marked = at;
+    return 0;
+}
+
+/* How many launches may be outstanding on this stream (including a new one). */
+static uint64_t max_outstanding(const struct sstate *ss)
+{
+    const struct mgpu_dev *d = ss->dev;
+    if (!d->max_queued_ns)
+        return UINT64_MAX;
+    if (!ss->avg_ns)
+        return 2; /* not measured yet: learn the kernel time first */
+    uint64_t others = g_dev_queued[d->ordinal] - ss->queued_ns;
+    uint64_t room = d->max_queued_ns > others ? d->max_queued_ns - others : 0;
+    uint64_t q = room / ss->avg_ns;
+    return q ? q : 1;
+}
+
+static void set_check(struct sstate *ss, uint64_t n)
+{
+    uint64_t next = ss->marked == n ? n + 1 : ss->marked + ss->per_mark;
+    uint64_t q = max_outstanding(ss);
+    if (q != UINT64_MAX && ss->completed + q + 1 < next)
+        next = ss->completed + q + 1;
+    if (next <= n)
+        next = n + 1;
+    atomic_store_explicit(&ss->check_at, next, memory_order_relaxed);
+}
+
+/* Before launch number n: bound the queue, start a batch. */
+static void pre_launch(struct sstate *ss, uint64_t n)
+{
+    pthread_mutex_lock(&mgpu_acct_mu);
+    if (ss->gen != mgpu_generation) {
+        ss_reset(ss);
+        atomic_store(&ss->submitted, n);
+        ss->marked = ss->completed = n - 1;
+    }
+    poll_ss(ss);
+    for (;;) {
+        uint64_t out = n - 1 > ss->completed ? n - 1 - ss->completed : 0;
+        if (out == 0 || out + 1 <= max_outstanding(ss))
+            break;
+        if (ss->marked < n - 1 && record_mark(ss, n - 1))
+            break;
+        if (!ss->count)
+            break;
+        wait_oldest(ss);
+        if (ss->gen != mgpu_generation)
+            break;
+        poll_ss(ss);
+    }
+    if (ss->marked == n - 1 && !ss->batch_ref) {
+        if (ss->count == 0) {
+            /* idle: every earlier mark completed and nothing is unmarked */
+            ev_put(ss, ss->last_end);
+            ss->last_end = NULL;
+            CUevent e = ev_get(ss);
+            if (e && REAL(cuEventRecord)(e, stream_handle(ss)) == CUDA_SUCCESS)
+                ss->batch_ref = e;
+            else
+                ev_put(ss, e);
+        } else {
+            ss->batch_ref = ss->last_end; /* busy: continue from the previous mark */
+        }
+    }
+    set_check(ss, n);
+    pthread_mutex_unlock(&mgpu_acct_mu);
+}
+
+/* After launch number n (when pre_launch ran for it). */
+static void post_launch(struct sstate *ss, uint64_t n, CUresult r)
+{
+    pthread_mutex_lock(&mgpu_acct_mu);
+    if (r != CUDA_SUCCESS) {
+        uint64_t exp = n;
+        atomic_compare_exchange_strong(&ss->submitted, &exp, n - 1);
+    } else if (ss->gen == mgpu_generation && n >= ss->marked + ss->per_mark) {
+        record_mark(ss, n);
+    }
+    set_queued(ss);
+    set_check(ss, n);
+    pthread_mutex_unlock(&mgpu_acct_mu);
+}
+
+/* Ends the stream's open batch so that a synchronisation completes it. */
+static void flush_ss(struct sstate *ss)
+{
+    if (ss->gen != mgpu_generation || atomic_load(&ss->capturing))
+        return;
+    if (ss->key == KEY_PER_THREAD && !pthread_equal(ss->owner, pthread_self()))
+        return;
+    uint64_t sub = atomic_load_explicit(&ss->submitted, memory_order_relaxed);
+    if (sub > ss->marked && record_mark(ss, sub) == 0)
+        atomic_store_explicit(&ss->check_at, sub + 1, memory_order_relaxed);
+}
+
+static void poll_all(void)
+{
+    for (struct sstate *ss = g_streams; ss; ss = ss->next)
+        if (ss->gen == mgpu_generation && ss->count) {
+            poll_ss(ss);
+            set_check(ss, atomic_load_explicit(&ss->submitted, memory_order_relaxed));
+        }
+}
+
+void mgpu_launch_reset_after_fork(void)
+{
+    /* Called with mgpu_acct_mu fresh (fork child) or when re-attaching. */
+    for (struct sstate *ss = g_streams; ss; ss = ss->next)
+        atomic_store(&ss->check_at, 0); /* the next launch takes the slow path and resets it */
+    memset(g_dev_queued, 0, sizeof g_dev_queued);
+}
+
+/* ---- stream state lookup ---- */
+
+static struct sstate *find_locked(struct mgpu_dev *d, uintptr_t key, int create)
+{
+    pthread_t self = pthread_self();
+    for (struct sstate *ss = g_streams; ss; ss = ss->next)
+        if (ss->dev == d && ss->key == key && (key != KEY_PER_THREAD || pthread_equal(ss->owner, self)))
+            return ss;
+    if (!create || g_nstreams >= MGPU_MAX_STREAMS)
+        return NULL;
+    struct sstate *ss = calloc(1, sizeof *ss);
+    if (!ss)
+        return NULL;
+    ss->dev = d;
+    ss->key = key;
+    ss->owner = self;
+    ss_reset(ss);
+    ss->next = g_streams;
+    g_streams = ss;
+    g_nstreams++;
+    return ss;
+}
+
+static __attribute__((noinline)) struct sstate *lookup_slow(struct mgpu_dev *d, uintptr_t key)
+{
+    for (int i = 1; i < TL_ENTS; i++)
+        if (tl_cache[i].dev == d && tl_cache[i].key == key) {
+            struct tl_ent e = tl_cache[i];
+            memmove(&tl_cache[1], &tl_cache[0], (size_t)i * sizeof e);
+            tl_cache[0] = e;
+            return e.ss;
+        }
+    pthread_mutex_lock(&mgpu_acct_mu);
+    struct sstate *ss = find_locked(d, key, 1);
+    pthread_mutex_unlock(&mgpu_acct_mu);
+    if (ss) {
+        memmove(&tl_cache[1], &tl_cache[0], (TL_ENTS - 1) * sizeof tl_cache[0]);
+        tl_cache[0] = (struct tl_ent){d, key, ss};
+    }
+    return ss;
+}
+
+static inline struct sstate *lookup(struct mgpu_dev *d, uintptr_t key)
+{
+    if (MGPU_LIKELY(tl_cache[0].key == key && tl_cache[0].dev == d))
+        return tl_cache[0].ss;
+    return lookup_slow(d, key);
+}
+
+/* ---- waiting for a grant ---- */
+
 static __attribute__((noinline)) void wait_grant(struct mgpu_dev *d)
 {
     atomic_fetch_add(&d->slot->waiting, 1);
     uint64_t t0 = now_ns();
     while (atomic_load(&d->region->grant) == 0) {
-        struct timespec ts = {.tv_sec = 0, .tv_nsec = 1000000};
+        struct timespec ts = {.tv_sec = 0, .tv_nsec = MGPU_WAIT_SLICE_NS};
         syscall(SYS_futex, &d->region->grant, FUTEX_WAIT, 0, &ts, NULL, 0);
+        /* keep gpu_ns / queued_ns current while the queue drains */
+        if (pthread_mutex_trylock(&mgpu_acct_mu) == 0) {
+            poll_all();
+            pthread_mutex_unlock(&mgpu_acct_mu);
+        }
     }
     atomic_fetch_add(&d->slot->throttled_ns, now_ns() - t0);
     atomic_fetch_sub(&d->slot->waiting, 1);
 }
 
-/* Returns the device to gate on, NULL to pass through, or sets *err. */
-static inline struct mgpu_dev *gate(CUresult *err)
+/* ---- the gate ---- */
+
+struct gate {
+    struct mgpu_dev *d; /* NULL: pass through */
+    struct sstate *ss;  /* NULL: gated, not measured */
+    uint64_t n;
+    int slow;
+};
+
+static __attribute__((noinline)) CUresult gate_resolve(struct mgpu_dev **pd)
+{
+    *pd = NULL;
+    if (mgpu_load_cuda())
+        return CUDA_ERROR_NOT_INITIALIZED;
+    enum mgpu_state s = mgpu_ensure();
+    if (s == MGPU_ST_FAILED)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (s == MGPU_ST_OPEN)
+        return CUDA_SUCCESS;
+    CUresult err = CUDA_ERROR_INVALID_DEVICE;
+    *pd = mgpu_current_dev(&err);
+    return *pd ? CUDA_SUCCESS : err;
+}
+
+static inline CUresult gate_enter(struct gate *g, CUstream h, int ptsz)
 {
     struct mgpu_dev *d = atomic_load_explicit(&mgpu_fast_dev, memory_order_relaxed);
+    g->d = NULL;
+    g->slow = 0;
     if (MGPU_UNLIKELY(!d)) {
-        *err = CUDA_SUCCESS;
-        if (mgpu_load_cuda()) {
-            *err = CUDA_ERROR_NOT_INITIALIZED;
-            return NULL;
-        }
-        enum mgpu_state s = mgpu_ensure();
-        if (s == MGPU_ST_FAILED) {
-            *err = CUDA_ERROR_NOT_INITIALIZED;
-            return NULL;
-        }
-        if (s == MGPU_ST_OPEN)
-            return NULL;
-        d = mgpu_current_dev(err);
-        if (!d)
-            return NULL;
+        CUresult r = gate_resolve(&d);
+        if (r != CUDA_SUCCESS || !d)
+            return r;
     }
+    struct sstate *ss = lookup(d, stream_key(h, ptsz));
+    g->ss = ss;
+    if (MGPU_UNLIKELY(ss && atomic_load_explicit(&ss->capturing, memory_order_relaxed)))
+        return CUDA_SUCCESS; /* building a graph: nothing runs now */
     if (MGPU_UNLIKELY(atomic_load_explicit(&d->region->grant, memory_order_acquire) == 0))
         wait_grant(d);
     atomic_fetch_add_explicit(&d->slot->launches, 1, memory_order_relaxed);
-    return d;
+    g->d = d;
+    if (MGPU_UNLIKELY(!ss))
+        return CUDA_SUCCESS;
+    uint64_t n = atomic_load_explicit(&ss->submitted, memory_order_relaxed) + 1;
+    atomic_store_explicit(&ss->submitted, n, memory_order_relaxed);
+    g->n = n;
+    if (MGPU_UNLIKELY(n >= atomic_load_explicit(&ss->check_at, memory_order_relaxed))) {
+        g->slow = 1;
+        pre_launch(ss, n);
+    }
+    return CUDA_SUCCESS;
 }
 
-#define GATED(call)                                                                                               \
+static inline CUresult gate_leave(struct gate *g, CUresult r)
+{
+    if (MGPU_UNLIKELY(g->slow))
+        post_launch(g->ss, g->n, r);
+    else if (MGPU_UNLIKELY(r != CUDA_SUCCESS) && g->ss && g->d) {
+        uint64_t exp = g->n;
+        atomic_compare_exchange_strong(&g->ss->submitted, &exp, g->n - 1);
+    }
+    return r;
+}
+
+#define GATED(stream, ptsz, call)                                                                                 \
     do {                                                                                                          \
-        CUresult e_ = CUDA_SUCCESS;                                                                               \
-        struct mgpu_dev *d_ = gate(&e_);                                                                          \
-        (void)d_;                                                                                                 \
-        if (e_ != CUDA_SUCCESS)                                                                                   \
+        struct gate g_;                                                                                           \
+        CUresult e_ = gate_enter(&g_, (stream), (ptsz));                                                          \
+        if (MGPU_UNLIKELY(e_ != CUDA_SUCCESS))                                                                    \
             return e_;                                                                                            \
-        return (call);                                                                                            \
+        return gate_leave(&g_, (call));                                                                           \
     } while (0)
 
 MGPU_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
                                     unsigned int by, unsigned int bz, unsigned int shm, CUstream s, void **params,
                                     void **extra)
 {
-    GATED(REAL(cuLaunchKernel)(f, gx, gy, gz, bx, by, bz, shm, s, params, extra));
+    GATED(s, 0, REAL(cuLaunchKernel)(f, gx, gy, gz, bx, by, bz, shm, s, params, extra));
 }
 MGPU_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
                                          unsigned int bx, unsigned int by, unsigned int bz, unsigned int shm,
                                          CUstream s, void **params, void **extra)
 {
-    GATED(REAL(cuLaunchKernel_ptsz)(f, gx, gy, gz, bx, by, bz, shm, s, params, extra));
+    GATED(s, 1, REAL(cuLaunchKernel_ptsz)(f, gx, gy, gz, bx, by, bz, shm, s, params, extra));
 }
 MGPU_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **params, void **extra)
 {
-    GATED(REAL(cuLaunchKernelEx)(config, f, params, extra));
+    GATED(config ? config->hStream : NULL, 0, REAL(cuLaunchKernelEx)(config, f, params, extra));
 }
 MGPU_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **params, void **extra)
 {
-    GATED(REAL(cuLaunchKernelEx_ptsz)(config, f, params, extra));
+    GATED(config ? config->hStream : NULL, 1, REAL(cuLaunchKernelEx_ptsz)(config, f, params, extra));
 }
 MGPU_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
                                                unsigned int bx, unsigned int by, unsigned int bz, unsigned int shm,
                                                CUstream s, void **params)
 {
-    GATED(REAL(cuLaunchCooperativeKernel)(f, gx, gy, gz, bx, by, bz, shm, s, params));
+    GATED(s, 0, REAL(cuLaunchCooperativeKernel)(f, gx, gy, gz, bx, by, bz, shm, s, params));
 }
 MGPU_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
                                                     unsigned int bx, unsigned int by, unsigned int bz,
                                                     unsigned int shm, CUstream s, void **params)
 {
-    GATED(REAL(cuLaunchCooperativeKernel_ptsz)(f, gx, gy, gz, bx, by, bz, shm, s, params));
+    GATED(s, 1, REAL(cuLaunchCooperativeKernel_ptsz)(f, gx, gy, gz, bx, by, bz, shm, s, params));
 }
-MGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
+MGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec ge, CUstream s)
 {
-    GATED(REAL(cuGraphLaunch)(g, s));
+    GATED(s, 0, REAL(cuGraphLaunch)(ge, s));
 }
-MGPU_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s)
+MGPU_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec ge, CUstream s)
 {
-    GATED(REAL(cuGraphLaunch_ptsz)(g, s));
+    GATED(s, 1, REAL(cuGraphLaunch_ptsz)(ge, s));
+}
+
+/* ---- synchronisation: complete the open batches so gpu_ns is current ---- */
+
+static int accounting(void)
+{
+    return mgpu_load_cuda() == 0 && atomic_load_explicit(&mgpu_state_now, memory_order_acquire) == MGPU_ST_READY;
+}
+
+static CUresult stream_sync(CUstream h, int ptsz, CUresult (*real)(CUstream))
+{
+    if (mgpu_load_cuda() || !real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!accounting())
+        return real(h);
+    CUresult err;
+    struct mgpu_dev *d = mgpu_current_dev(&err);
+    struct sstate *ss = NULL;
+    if (d) {
+        uintptr_t key = stream_key(h, ptsz);
+        pthread_mutex_lock(&mgpu_acct_mu);
+        ss = find_locked(d, key, 0);
+        if (ss)
+            flush_ss(ss);
+        pthread_mutex_unlock(&mgpu_acct_mu);
+    }
+    CUresult r = real(h);
+    if (ss) {
+        pthread_mutex_lock(&mgpu_acct_mu);
+        if (ss->gen == mgpu_generation) {
+            poll_ss(ss);
+            set_check(ss, atomic_load_explicit(&ss->submitted, memory_order_relaxed));
+        }
+        pthread_mutex_unlock(&mgpu_acct_mu);
+    }
+    return r;
 }
 
 MGPU_EXPORT CUresult cuStreamSynchronize(CUstream s)
 {
-    return REAL(cuStreamSynchronize)(s);
+    return stream_sync(s, 0, REAL(cuStreamSynchronize));
 }
 MGPU_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream s)
 {
-    return REAL(cuStreamSynchronize_ptsz)(s);
+    return stream_sync(s, 1, REAL(cuStreamSynchronize_ptsz));
 }
+
+static void flush_all(void)
+{
+    pthread_mutex_lock(&mgpu_acct_mu);
+    for (struct sstate *ss = g_streams; ss; ss = ss->next)
+        flush_ss(ss);
+    pthread_mutex_unlock(&mgpu_acct_mu);
+}
+
+static void poll_all_locked(void)
+{
+    pthread_mutex_lock(&mgpu_acct_mu);
+    poll_all();
+    pthread_mutex_unlock(&mgpu_acct_mu);
+}
+
 MGPU_EXPORT CUresult cuCtxSynchronize(void)
 {
-    return REAL(cuCtxSynchronize)();
+    if (mgpu_load_cuda())
+        return CUDA_ERROR_NOT_INITIALIZED;
+    int acct = accounting();
+    if (acct)
+        flush_all();
+    CUresult r = REAL(cuCtxSynchronize)();
+    if (acct)
+        poll_all_locked();
+    return r;
 }
+
 MGPU_EXPORT CUresult cuEventSynchronize(CUevent e)
 {
-    return REAL(cuEventSynchronize)(e);
+    if (mgpu_load_cuda())
+        return CUDA_ERROR_NOT_INITIALIZED;
+    int acct = accounting();
+    if (acct)
+        flush_all();
+    CUresult r = REAL(cuEventSynchronize)(e);
+    if (acct)
+        poll_all_locked();
+    return r;
 }
+
+/* ---- capture: launches on a capturing stream are neither gated nor measured ---- */
+
+static CUresult begin_capture(CUstream h, int ptsz, CUstreamCaptureMode mode,
+                              CUresult (*real)(CUstream, CUstreamCaptureMode))
+{
+    if (mgpu_load_cuda() || !real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    struct sstate *ss = NULL;
+    CUresult err;
+    struct mgpu_dev *d = accounting() ? mgpu_current_dev(&err) : NULL;
+    if (d) {
+        pthread_mutex_lock(&mgpu_acct_mu);
+        ss = find_locked(d, stream_key(h, ptsz), 1);
+        if (ss) {
+            if (ss->gen != mgpu_generation)
+                ss_reset(ss);
+            flush_ss(ss); /* no events can be recorded into the capture */
+            atomic_store(&ss->capturing, 1);
+        }
+        pthread_mutex_unlock(&mgpu_acct_mu);
+    }
+    CUresult r = real(h, mode);
+    if (r != CUDA_SUCCESS && ss)
+        atomic_store(&ss->capturing, 0);
+    return r;
+}
+
+static CUresult end_capture(CUstream h, int ptsz, CUgraph *g, CUresult (*real)(CUstream, CUgraph *))
+{
+    if (mgpu_load_cuda() || !real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = real(h, g);
+    CUresult err;
+    struct mgpu_dev *d = accounting() ? mgpu_current_dev(&err) : NULL;
+    if (d) {
+        pthread_mutex_lock(&mgpu_acct_mu);
+        struct sstate *ss = find_locked(d, stream_key(h, ptsz), 0);
+        if (ss)
+            atomic_store(&ss->capturing, 0);
+        pthread_mutex_unlock(&mgpu_acct_mu);
+    }
+    return r;
+}
+
 MGPU_EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode)
 {
-    return REAL(cuStreamBeginCapture_v2)(s, mode);
+    return begin_capture(s, 0, mode, REAL(cuStreamBeginCapture_v2));
 }
 MGPU_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptureMode mode)
 {
-    return REAL(cuStreamBeginCapture_v2_ptsz)(s, mode);
+    return begin_capture(s, 1, mode, REAL(cuStreamBeginCapture_v2_ptsz));
 }
 MGPU_EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph *g)
 {
-    return REAL(cuStreamEndCapture)(s, g);
+    return end_capture(s, 0, g, REAL(cuStreamEndCapture));
 }
 MGPU_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *g)
 {
-    return REAL(cuStreamEndCapture_ptsz)(s, g);
+    return end_capture(s, 1, g, REAL(cuStreamEndCapture_ptsz));
 }
