@@ -1,0 +1,194 @@
+// Package fakecuda reads and resets the shared state of the simulated GPU
+// (test/fakecuda, a libcuda.so.1 for tests), so that Go tests can measure the
+// GPU time and memory each process achieved.
+package fakecuda
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+)
+
+// Proc is one process that used a device; exited processes stay listed
+// (Alive false, memory returned) until Reset.
+type Proc struct {
+	PID     int    `json:"pid"`
+	BusyNs  uint64 `json:"busy_ns"`
+	Kernels uint64 `json:"kernels"`
+	MemUsed uint64 `json:"mem_used"`
+	Alive   bool   `json:"alive"`
+}
+
+// Device is one simulated GPU (host index).
+type Device struct {
+	Index    int    `json:"index"`
+	Name     string `json:"name"`
+	UUID     string `json:"uuid"`
+	MemTotal uint64 `json:"mem_total"`
+	MemUsed  uint64 `json:"mem_used"`
+	BusyNs   uint64 `json:"busy_ns"`
+	Kernels  uint64 `json:"kernels"`
+	Procs    []Proc `json:"procs"`
+}
+
+// State is the output of `fakecuda-ctl stat`.
+type State struct {
+	Devices []Device `json:"devices"`
+}
+
+// Device returns the device of host index i.
+func (s State) Device(i int) (Device, bool) {
+	for _, d := range s.Devices {
+		if d.Index == i {
+			return d, true
+		}
+	}
+	return Device{}, false
+}
+
+// Proc returns the entry of pid (the newest one if the pid was reused).
+func (d Device) Proc(pid int) (Proc, bool) {
+	found, ok := Proc{}, false
+	for _, p := range d.Procs {
+		if p.PID == pid {
+			found, ok = p, true
+		}
+	}
+	return found, ok
+}
+
+// UUID is the UUID of simulated device index; internal/config.SimUUID
+// derives the same value.
+func UUID(index int) string {
+	return fmt.Sprintf("GPU-5a1e0000-0000-4000-8000-%012x", index)
+}
+
+// RepoRoot finds the repository root (the directory holding go.mod) above the
+// working directory.
+func RepoRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("fakecuda: no go.mod above the working directory")
+		}
+		dir = parent
+	}
+}
+
+// BuildDir is $MGPU_BUILD, or build/ at the repository root.
+func BuildDir() (string, error) {
+	if b := os.Getenv("MGPU_BUILD"); b != "" {
+		return b, nil
+	}
+	root, err := RepoRoot()
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(root, "build"), nil
+}
+
+// Paths of the built artefacts under a build directory.
+type Paths struct {
+	LibDir   string // holds libcuda.so.1 and libnvidia-ml.so.1
+	Ctl      string // fakecuda-ctl
+	Workload string // mgpu-workload
+}
+
+// PathsIn returns the artefact paths under build directory b.
+func PathsIn(b string) Paths {
+	return Paths{
+		LibDir:   filepath.Join(b, "fakecuda"),
+		Ctl:      filepath.Join(b, "bin", "fakecuda-ctl"),
+		Workload: filepath.Join(b, "bin", "mgpu-workload"),
+	}
+}
+
+// Build runs make for test/fakecuda and test/workload into build directory b.
+func Build(b string) error {
+	root, err := RepoRoot()
+	if err != nil {
+		return err
+	}
+	for _, dir := range []string{"test/fakecuda", "test/workload"} {
+		cmd := exec.Command("make", "-s", "-C", filepath.Join(root, dir), "BUILD="+b) //nolint:gosec // fixed arguments
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("make %s: %w\n%s", dir, err, out)
+		}
+	}
+	return nil
+}
+
+// Env returns os.Environ() plus what a process needs to use the simulated GPU
+// with state in stateDir (LD_LIBRARY_PATH, FAKECUDA_STATE_DIR), then extra.
+func Env(p Paths, stateDir string, extra ...string) []string {
+	env := make([]string, 0, len(os.Environ())+2+len(extra))
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "LD_LIBRARY_PATH=") && !strings.HasPrefix(kv, "FAKECUDA_STATE_DIR=") {
+			env = append(env, kv)
+		}
+	}
+	env = append(env, "LD_LIBRARY_PATH="+p.LibDir, "FAKECUDA_STATE_DIR="+stateDir)
+	return append(env, extra...)
+}
+
+// Stat reads the state in stateDir with the fakecuda-ctl of BuildDir().
+func Stat(stateDir string) (State, error) {
+	b, err := BuildDir()
+	if err != nil {
+		return State{}, err
+	}
+	return StatWith(PathsIn(b).Ctl, stateDir)
+}
+
+// StatWith reads the state in stateDir with the given fakecuda-ctl binary.
+// It also returns the memory of exited processes to their devices.
+func StatWith(ctl, stateDir string) (State, error) {
+	out, err := ctlRun(ctl, stateDir, "stat")
+	if err != nil {
+		return State{}, err
+	}
+	var s State
+	if err := json.Unmarshal(out, &s); err != nil {
+		return State{}, fmt.Errorf("fakecuda: parse %q stat output: %w", ctl, err)
+	}
+	return s, nil
+}
+
+// Reset clears busy counters and forgets exited processes (BuildDir's ctl).
+func Reset(stateDir string) error {
+	b, err := BuildDir()
+	if err != nil {
+		return err
+	}
+	return ResetWith(PathsIn(b).Ctl, stateDir)
+}
+
+// ResetWith is Reset with the given fakecuda-ctl binary.
+func ResetWith(ctl, stateDir string) error {
+	_, err := ctlRun(ctl, stateDir, "reset")
+	return err
+}
+
+func ctlRun(ctl, stateDir, verb string) ([]byte, error) {
+	cmd := exec.Command(ctl, verb) //nolint:gosec // the caller names its own build
+	cmd.Env = append(os.Environ(), "FAKECUDA_STATE_DIR="+stateDir)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("fakecuda: %s %s: %w: %s", ctl, verb, err, strings.TrimSpace(stderr.String()))
+	}
+	return out, nil
+}

@@ -1,0 +1,515 @@
+package fakecuda
+
+import (
+	"bufio"
+	"bytes"
+	"debug/elf"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+var (
+	buildOnce sync.Once
+	buildErr  error
+	buildDir  string
+	paths     Paths
+)
+
+func TestMain(m *testing.M) {
+	rc := m.Run()
+	if buildDir != "" {
+		os.RemoveAll(buildDir) //nolint:errcheck // temporary build
+	}
+	os.Exit(rc)
+}
+
+// built builds fakecuda and the workload once (into a temporary build
+// directory, so concurrent builds of build/ by others do not interfere).
+func built(t *testing.T) Paths {
+	t.Helper()
+	for _, tool := range []string{"make", "gcc"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("%s not installed: %v", tool, err)
+		}
+	}
+	buildOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "fakecuda-build-")
+		if err != nil {
+			buildErr = err
+			return
+		}
+		buildDir = dir
+		buildErr = Build(dir)
+		paths = PathsIn(dir)
+	})
+	if buildErr != nil {
+		t.Fatalf("build: %v", buildErr)
+	}
+	return paths
+}
+
+type env struct {
+	t     *testing.T
+	p     Paths
+	state string
+	extra []string
+}
+
+func newEnv(t *testing.T, extra ...string) *env {
+	return &env{t: t, p: built(t), state: t.TempDir(), extra: extra}
+}
+
+func (e *env) cmd(bin string, args ...string) *exec.Cmd {
+	c := exec.Command(bin, args...)
+	c.Env = Env(e.p, e.state, e.extra...)
+	return c
+}
+
+// run runs bin and returns stdout; a non-zero exit other than wantRC fails.
+func (e *env) run(wantRC int, bin string, args ...string) string {
+	e.t.Helper()
+	c := e.cmd(bin, args...)
+	var stderr bytes.Buffer
+	c.Stderr = &stderr
+	out, err := c.Output()
+	rc := 0
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		rc = ee.ExitCode()
+	} else if err != nil {
+		e.t.Fatalf("%s %v: %v", bin, args, err)
+	}
+	if rc != wantRC {
+		e.t.Fatalf("%s %v: exit %d, want %d\nstdout:\n%s\nstderr:\n%s", filepath.Base(bin), args, rc, wantRC, out, stderr.String())
+	}
+	return string(out)
+}
+
+func (e *env) workload(wantRC int, args ...string) string {
+	e.t.Helper()
+	return e.run(wantRC, e.p.Workload, args...)
+}
+
+func (e *env) stat() State {
+	e.t.Helper()
+	s, err := StatWith(e.p.Ctl, e.state)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return s
+}
+
+// kv parses key=value words of an output.
+func kv(out string) map[string]string {
+	m := map[string]string{}
+	for _, f := range strings.Fields(out) {
+		if k, v, ok := strings.Cut(f, "="); ok {
+			m[k] = v
+		}
+	}
+	return m
+}
+
+func num(t *testing.T, m map[string]string, k string) float64 {
+	t.Helper()
+	v, err := strconv.ParseFloat(m[k], 64)
+	if err != nil {
+		t.Fatalf("key %q: %v (have %v)", k, err, m)
+	}
+	return v
+}
+
+func TestExportsMatchTheList(t *testing.T) {
+	t.Parallel()
+	p := built(t)
+	list, err := os.ReadFile("src/fc_procs.def")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]bool{}
+	for _, m := range regexp.MustCompile(`(?m)^FC_(?:SYM|PTSZ)\(\w+, (\w+), \d+\)`).FindAllStringSubmatch(string(list), -1) {
+		want[m[1]] = true
+	}
+	if len(want) < 70 {
+		t.Fatalf("parsed only %d entries from fc_procs.def", len(want))
+	}
+	for lib, check := range map[string]func(string) bool{
+		"libcuda.so.1":      func(s string) bool { return want[s] },
+		"libnvidia-ml.so.1": func(s string) bool { return strings.HasPrefix(s, "nvml") },
+	} {
+		f, err := elf.Open(filepath.Join(p.LibDir, lib))
+		if err != nil {
+			t.Fatal(err)
+		}
+		syms, err := f.DynamicSymbols()
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for _, s := range syms {
+			if s.Section == elf.SHN_UNDEF || elf.ST_BIND(s.Info) != elf.STB_GLOBAL {
+				continue
+			}
+			n++
+			if !check(s.Name) {
+				t.Errorf("%s exports %q, which is not in its list", lib, s.Name)
+			}
+		}
+		if lib == "libcuda.so.1" && n != len(want) {
+			t.Errorf("libcuda.so.1 exports %d symbols, the list has %d", n, len(want))
+		}
+	}
+}
+
+func TestSemantics(t *testing.T) {
+	for _, name := range []string{"procaddr", "ptsz", "graph", "memory", "async"} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			out := e.run(0, filepath.Join(e.p.LibDir, "fctest"), name)
+			m := kv(out)
+			switch name {
+			case "async":
+				// A launch (plus two event records) returns at once; the
+				// 100 ms kernel is measured by its events.
+				if v := num(t, m, "launch_ns"); v > 5e6 {
+					t.Errorf("launching took %.0f ns: not asynchronous", v)
+				}
+				if v := num(t, m, "elapsed_ms"); v < 99 || v > 130 {
+					t.Errorf("event elapsed %.3f ms, want ~100", v)
+				}
+				if v := num(t, m, "sync_ns"); v < 99e6 {
+					t.Errorf("synchronize returned after %.0f ns, before the kernel ended", v)
+				}
+				if v := num(t, m, "ctxsync_ns"); v < 59e6 {
+					t.Errorf("cuCtxSynchronize returned after %.0f ns, want >= 60 ms (two 30 ms kernels)", v)
+				}
+			case "graph":
+				if v := num(t, m, "capture_graph_ms"); v < 99 || v > 140 {
+					t.Errorf("captured graph of 5x20 ms ran %.3f ms", v)
+				}
+				if v := num(t, m, "node_graph_ms"); v < 39 || v > 70 {
+					t.Errorf("node graph 20+0+20 ms ran %.3f ms", v)
+				}
+			}
+			if !strings.Contains(out, name+"=ok") && name != "async" {
+				t.Errorf("no %s=ok in output:\n%s", name, out)
+			}
+		})
+	}
+}
+
+func TestInfoAndVisibleDevices(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, "FAKECUDA_DEVICES=3", "CUDA_VISIBLE_DEVICES=2,0", "FAKECUDA_MEMORY_MIB=2048", "FAKECUDA_NAME=Test GPU")
+	out := e.workload(0, "info")
+	lines := map[string]string{}
+	for _, l := range strings.Split(strings.TrimSpace(out), "\n") {
+		k, v, _ := strings.Cut(l, "=")
+		lines[k] = v
+	}
+	want := map[string]string{
+		"driver_version":     "12040",
+		"device_count":       "2",
+		"device.0.uuid":      UUID(2),
+		"device.1.uuid":      UUID(0),
+		"device.0.name":      "Test GPU",
+		"device.0.total_mem": "2147483648",
+		"device.0.mem_free":  "2147483648",
+		"nvml.device_count":  "3", // NVML sees host indexes
+		"nvml.2.index":       "2",
+		"nvml.2.total":       "2147483648",
+		"nvml.2.v2.free":     "2147483648",
+	}
+	for k, v := range want {
+		if lines[k] != v {
+			t.Errorf("%s=%q, want %q", k, lines[k], v)
+		}
+	}
+	s := e.stat()
+	if len(s.Devices) != 3 {
+		t.Fatalf("stat shows %d devices, want 3: %+v", len(s.Devices), s)
+	}
+	if d, _ := s.Device(2); d.UUID != UUID(2) || d.MemTotal != 2<<30 || d.Name != "Test GPU" {
+		t.Errorf("device 2 in stat: %+v", d)
+	}
+}
+
+func TestMemoryTotalAndOOM(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, "FAKECUDA_MEMORY_MIB=1024")
+	for _, api := range []string{"cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemAllocAsync",
+		"cuMemAllocFromPoolAsync", "cuMemCreate", "cuArrayCreate_v2", "cuArray3DCreate_v2"} {
+		out := e.workload(2, "alloc", "--api", api, "--mib", "400", "--count", "3", "--free")
+		for i, want := range []string{"CUDA_SUCCESS (0)", "CUDA_SUCCESS (0)", "CUDA_ERROR_OUT_OF_MEMORY (2)"} {
+			line := fmt.Sprintf("alloc %d %s 400MiB -> %s", i, api, want)
+			if !strings.Contains(out, line) {
+				t.Errorf("%s: missing %q in\n%s", api, line, out)
+			}
+		}
+		if !strings.Contains(out, fmt.Sprintf("mem_free=%d mem_total=%d", (1024-800)<<20, 1024<<20)) ||
+			!strings.Contains(out, fmt.Sprintf("mem_free=%d mem_total=%d", 1024<<20, 1024<<20)) {
+			t.Errorf("%s: memory info before/after free wrong:\n%s", api, out)
+		}
+	}
+	if d, _ := e.stat().Device(0); d.MemUsed != 0 {
+		t.Errorf("device memory after all frees: %d", d.MemUsed)
+	}
+}
+
+// A process holding memory is SIGKILLed: like the driver, its memory returns.
+func TestKilledProcessMemoryReturns(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, "FAKECUDA_MEMORY_MIB=1024")
+	holder := e.cmd(e.p.Workload, "alloc", "--api", "cuMemAlloc_v2", "--mib", "700", "--hold-ms", "-1")
+	stdout, err := holder.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := holder.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Process.Kill() //nolint:errcheck // cleanup
+	sc := bufio.NewScanner(stdout)
+	for sc.Scan() && !strings.HasPrefix(sc.Text(), "holding") {
+	}
+	d, _ := e.stat().Device(0)
+	if p, ok := d.Proc(holder.Process.Pid); !ok || !p.Alive || p.MemUsed != 700<<20 || d.MemUsed != 700<<20 {
+		t.Fatalf("holder not accounted: %+v", d)
+	}
+	e.workload(2, "alloc", "--api", "cuMemAlloc_v2", "--mib", "700")
+	if err := holder.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	holder.Wait() //nolint:errcheck // killed on purpose
+	// The allocation that would fail reaps the dead process first.
+	e.workload(0, "alloc", "--api", "cuMemAlloc_v2", "--mib", "700")
+	d, _ = e.stat().Device(0)
+	if p, ok := d.Proc(holder.Process.Pid); !ok || p.Alive || p.MemUsed != 0 || d.MemUsed != 0 {
+		t.Fatalf("after kill: %+v", d)
+	}
+}
+
+// Killing a process while it holds the device does not wedge it: the other
+// process gets the device within the liveness poll.
+func TestKilledOwnerReleasesDevice(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	long := e.cmd(e.p.Workload, "compute", "--kernel-us", "5000000", "--depth", "1", "--seconds", "0.01")
+	if err := long.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer long.Process.Kill() //nolint:errcheck // cleanup
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		d, _ := e.stat().Device(0)
+		if p, ok := d.Proc(long.Process.Pid); ok && p.Alive {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the long kernel process never registered")
+		}
+		time.Sleep(10 * time.Millisecond) // polling with a deadline
+	}
+	// Let the 5 s kernel start, then kill it while it owns the device.
+	next := e.cmd(e.p.Workload, "compute", "--kernel-us", "1000", "--depth", "1", "--seconds", "0.2")
+	if err := next.Start(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond) // not synchronisation: gives the kernel time to be running
+	start := time.Now()
+	if err := long.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	long.Wait() //nolint:errcheck // killed on purpose
+	if err := next.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if el := time.Since(start); el > 3*time.Second {
+		t.Errorf("second process finished %v after the owner died", el)
+	}
+}
+
+// Two saturating processes share one device: each gets about half of the
+// device time and the device is busy about all the time, never more.
+func TestTwoProcessesShareTheDevice(t *testing.T) {
+	e := newEnv(t)
+	const seconds = 3.0
+	var cmds []*exec.Cmd
+	var outs []*bytes.Buffer
+	start := time.Now()
+	for i := 0; i < 2; i++ {
+		c := e.cmd(e.p.Workload, "compute", "--kernel-us", "2000", "--depth", "2", "--seconds", fmt.Sprint(seconds))
+		b := &bytes.Buffer{}
+		c.Stdout = b
+		if err := c.Start(); err != nil {
+			t.Fatal(err)
+		}
+		cmds, outs = append(cmds, c), append(outs, b)
+	}
+	for _, c := range cmds {
+		if err := c.Wait(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	wall := time.Since(start)
+	d, _ := e.stat().Device(0)
+	var busy [2]float64
+	for i, c := range cmds {
+		p, ok := d.Proc(c.Process.Pid)
+		if !ok {
+			t.Fatalf("pid %d not in %+v", c.Process.Pid, d)
+		}
+		busy[i] = float64(p.BusyNs)
+	}
+	total := busy[0] + busy[1]
+	t.Logf("busy %.0f ms + %.0f ms = %.0f ms, device %.0f ms, wall %v; %s %s", busy[0]/1e6, busy[1]/1e6, total/1e6,
+		float64(d.BusyNs)/1e6, wall, strings.TrimSpace(outs[0].String()), strings.TrimSpace(outs[1].String()))
+	for i := range busy {
+		if share := busy[i] / total; share < 0.42 || share > 0.58 {
+			t.Errorf("process %d got %.1f%% of the device, want ~50%%", i, share*100)
+		}
+	}
+	if float64(d.BusyNs) < 0.85*seconds*1e9 {
+		t.Errorf("device busy %.0f ms over a %.1f s run: not saturated", float64(d.BusyNs)/1e6, seconds)
+	}
+	if float64(d.BusyNs) > float64(wall.Nanoseconds())*1.01 {
+		t.Errorf("device busy %.0f ms exceeds the wall time %v: kernels overlapped", float64(d.BusyNs)/1e6, wall)
+	}
+}
+
+func TestResolvePaths(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	for _, args := range [][]string{
+		{"--resolve", "proc", "compute", "--api", "launchex"},
+		{"--resolve", "runtime", "compute", "--api", "launch"},
+		{"--resolve", "runtime", "--ptsz", "compute", "--api", "coop", "--null-stream", "--threads", "2"},
+		{"--resolve", "proc", "--ptsz", "compute", "--api", "graph", "--graph-build", "nodes"},
+		{"--ptsz", "compute", "--api", "graph", "--streams", "2", "--threads", "2"},
+	} {
+		before, _ := e.stat().Device(0)
+		out := e.workload(0, append(args, "--kernel-us", "1000", "--seconds", "0.3")...)
+		m := kv(out)
+		after, _ := e.stat().Device(0)
+		launches := num(t, m, "launches")
+		if launches < 50 {
+			t.Errorf("%v: only %v launches", args, launches)
+		}
+		if ran := float64(after.Kernels - before.Kernels); ran != launches {
+			t.Errorf("%v: %v kernels ran on the device, %v launched", args, ran, launches)
+		}
+	}
+}
+
+func TestForkChild(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	out := e.workload(0, "fork", "--kernel-us", "20000")
+	pids := regexp.MustCompile(`(?m)^(parent|child|parent-after) pid=(\d+) ok elapsed_ms=([\d.]+)$`).FindAllStringSubmatch(out, -1)
+	if len(pids) != 3 {
+		t.Fatalf("want parent, child, parent-after ok lines:\n%s", out)
+	}
+	for _, m := range pids {
+		if ms, _ := strconv.ParseFloat(m[3], 64); ms < 19.5 || ms > 60 {
+			t.Errorf("%s: kernel of 20 ms took %s ms", m[1], m[3])
+		}
+	}
+	d, _ := e.stat().Device(0)
+	for _, m := range pids[:2] {
+		pid, _ := strconv.Atoi(m[2])
+		if p, ok := d.Proc(pid); !ok || p.Kernels < 1 {
+			t.Errorf("%s pid %d has no kernels in %+v", m[1], pid, d)
+		}
+	}
+}
+
+func TestChurnAndReset(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, "FAKECUDA_MEMORY_MIB=1000")
+	var wg sync.WaitGroup
+	outs := make([]string, 3)
+	for i := range outs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			outs[i] = e.workload(0, "alloc-churn", "--mib", "300", "--iterations", "2000", "--threads", "2")
+		}()
+	}
+	wg.Wait()
+	for _, out := range outs {
+		m := kv(out)
+		if num(t, m, "ok")+num(t, m, "oom") != 4000 || num(t, m, "errors") != 0 {
+			t.Errorf("churn: %s", out)
+		}
+	}
+	d, _ := e.stat().Device(0)
+	if d.MemUsed != 0 || len(d.Procs) != 3 {
+		t.Errorf("after churn: %+v", d)
+	}
+	e.workload(0, "compute", "--kernel-us", "1000", "--seconds", "0.1")
+	if d, _ = e.stat().Device(0); d.BusyNs == 0 {
+		t.Fatal("no busy time recorded")
+	}
+	if err := ResetWith(e.p.Ctl, e.state); err != nil {
+		t.Fatal(err)
+	}
+	if d, _ = e.stat().Device(0); d.BusyNs != 0 || len(d.Procs) != 0 {
+		t.Errorf("after reset: %+v", d)
+	}
+}
+
+func TestBenchmarksRun(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	m := kv(e.workload(0, "bench-launch", "--n", "50000"))
+	if v := num(t, m, "ns_per_launch"); v <= 0 || v > 20000 {
+		t.Errorf("ns_per_launch=%v", v)
+	}
+	m = kv(e.workload(0, "bench-alloc", "--n", "20000", "--bytes", "4096"))
+	if v := num(t, m, "ns_per_alloc"); v <= 0 || v > 20000 {
+		t.Errorf("ns_per_alloc=%v", v)
+	}
+	t.Logf("ns_per_launch and ns_per_alloc: %v", m)
+}
+
+// The C parts under ASan and UBSan: the semantics checks, a multi-stream
+// compute run and fork.
+func TestSanitizerBuild(t *testing.T) {
+	if testing.Short() {
+		t.Skip("sanitizer build skipped in -short mode")
+	}
+	built(t) // skips without gcc/make
+	t.Parallel()
+	dir := t.TempDir()
+	root, err := RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, sub := range []string{"test/fakecuda", "test/workload"} {
+		c := exec.Command("make", "-s", "-C", filepath.Join(root, sub), "BUILD="+dir, "SANITIZE=1")
+		if out, err := c.CombinedOutput(); err != nil {
+			t.Fatalf("make SANITIZE=1 %s: %v\n%s", sub, err, out)
+		}
+	}
+	e := &env{t: t, p: PathsIn(dir), state: t.TempDir(),
+		extra: []string{"ASAN_OPTIONS=detect_leaks=0:abort_on_error=1", "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1"}}
+	for _, name := range []string{"procaddr", "ptsz", "graph", "memory", "async"} {
+		e.run(0, filepath.Join(e.p.LibDir, "fctest"), name)
+	}
+	e.workload(0, "--ptsz", "compute", "--kernel-us", "500", "--seconds", "0.3", "--streams", "3", "--threads", "2")
+	e.workload(0, "--resolve", "runtime", "compute", "--api", "graph", "--kernel-us", "500", "--seconds", "0.2")
+	e.workload(0, "fork", "--kernel-us", "1000")
+	e.workload(0, "alloc-churn", "--api", "cuMemAllocAsync", "--mib", "1", "--iterations", "500", "--threads", "2")
+}

@@ -1,0 +1,391 @@
+/*
+ * fctest - checks of fakecuda's driver API semantics, driven by
+ * fakecuda_test.go.  Each subcommand prints key=value lines and exits 1 with a
+ * "FAIL ..." line on the first wrong result; timing bounds are judged by the
+ * Go test from the printed numbers.
+ */
+#define _GNU_SOURCE
+#include "mgpu_cuda.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define EXPECT(call, want)                                                                          \
+    do {                                                                                            \
+        CUresult r_ = (call);                                                                       \
+        if (r_ != (want)) {                                                                         \
+            const char *n_ = NULL;                                                                  \
+            cuGetErrorName(r_, &n_);                                                                \
+            printf("FAIL %s:%d %s -> %s (%d), want %d\n", __FILE__, __LINE__, #call, n_ ? n_ : "?", \
+                   (int)r_, (int)(want));                                                           \
+            exit(1);                                                                                \
+        }                                                                                           \
+    } while (0)
+#define OK(call) EXPECT(call, CUDA_SUCCESS)
+#define CHECK(cond)                                                         \
+    do {                                                                    \
+        if (!(cond)) {                                                      \
+            printf("FAIL %s:%d %s\n", __FILE__, __LINE__, #cond);           \
+            exit(1);                                                        \
+        }                                                                   \
+    } while (0)
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static CUcontext ctx;
+static CUfunction fn;
+
+static void setup(void)
+{
+    CUdevice d;
+    CUmodule m;
+    OK(cuInit(0));
+    OK(cuDeviceGet(&d, 0));
+    OK(cuDevicePrimaryCtxRetain(&ctx, d));
+    OK(cuCtxSetCurrent(ctx));
+    OK(cuModuleLoadData(&m, "image"));
+    OK(cuModuleGetFunction(&fn, m, "k"));
+}
+
+static CUresult launch_ms(CUstream s, uint64_t ms)
+{
+    uint64_t ns = ms * 1000000ULL;
+    void *p[] = {&ns};
+    return cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s, p, NULL);
+}
+
+/* A 100 ms kernel: the launch returns at once, queries say NOT_READY until
+ * the stream got there, and the events measure the kernel. */
+static int t_async(void)
+{
+    setup();
+    CUstream s;
+    CUevent a, b;
+    OK(cuStreamCreate(&s, 0));
+    OK(cuEventCreate(&a, 0));
+    OK(cuEventCreate(&b, 0));
+    EXPECT(cuEventQuery(b), CUDA_SUCCESS); /* never recorded */
+    uint64_t t0 = now_ns();
+    OK(cuEventRecord(a, s));
+    OK(launch_ms(s, 100));
+    OK(cuEventRecord(b, s));
+    uint64_t t1 = now_ns();
+    EXPECT(cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+    EXPECT(cuEventQuery(b), CUDA_ERROR_NOT_READY);
+    float ms;
+    EXPECT(cuEventElapsedTime(&ms, a, b), CUDA_ERROR_NOT_READY);
+    OK(cuEventSynchronize(b));
+    uint64_t t2 = now_ns();
+    OK(cuEventQuery(b));
+    OK(cuStreamQuery(s));
+    OK(cuEventElapsedTime(&ms, a, b));
+    printf("launch_ns=%llu\nsync_ns=%llu\nelapsed_ms=%.3f\n", (unsigned long long)(t1 - t0),
+           (unsigned long long)(t2 - t0), ms);
+    /* in-order execution across two kernels; cuCtxSynchronize waits for all */
+    OK(launch_ms(s, 30));
+    OK(launch_ms(NULL, 30));
+    t0 = now_ns();
+    OK(cuCtxSynchronize());
+    printf("ctxsync_ns=%llu\n", (unsigned long long)(now_ns() - t0));
+    OK(cuStreamQuery(s));
+    OK(cuStreamQuery(NULL));
+    /* timing disabled events cannot be measured */
+    CUevent c;
+    OK(cuEventCreate(&c, CU_EVENT_DISABLE_TIMING));
+    OK(cuEventRecord(c, s));
+    OK(cuEventSynchronize(c));
+    EXPECT(cuEventElapsedTime(&ms, a, c), CUDA_ERROR_INVALID_HANDLE);
+    OK(cuEventDestroy_v2(c));
+    /* an event destroyed while pending is released when reached */
+    OK(launch_ms(s, 10));
+    OK(cuEventRecord(a, s));
+    OK(cuEventDestroy_v2(a));
+    OK(cuStreamSynchronize(s));
+    OK(cuStreamDestroy_v2(s));
+    EXPECT(cuStreamDestroy_v2(NULL), CUDA_ERROR_INVALID_HANDLE);
+    return 0;
+}
+
+#define WANT_PROC(name, ver, flags, sym)                                                       \
+    do {                                                                                       \
+        void *p_ = NULL;                                                                       \
+        CUdriverProcAddressQueryResult st_ = 99;                                               \
+        OK(cuGetProcAddress_v2(name, &p_, ver, flags, &st_));                                  \
+        CHECK(st_ == CU_GET_PROC_ADDRESS_SUCCESS);                                             \
+        CHECK(p_ == (void *)sym);                                                              \
+        printf("proc %s %d %d -> %s\n", name, ver, (int)(flags), #sym);                        \
+    } while (0)
+
+static int t_procaddr(void)
+{
+    const cuuint64_t D = CU_GET_PROC_ADDRESS_DEFAULT, P = CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
+    WANT_PROC("cuLaunchKernel", 12040, D, cuLaunchKernel);
+    WANT_PROC("cuLaunchKernel", 12040, P, cuLaunchKernel_ptsz);
+    WANT_PROC("cuLaunchKernelEx", 12040, P, cuLaunchKernelEx_ptsz);
+    WANT_PROC("cuLaunchCooperativeKernel", 12040, P, cuLaunchCooperativeKernel_ptsz);
+    WANT_PROC("cuGraphLaunch", 12040, P, cuGraphLaunch_ptsz);
+    WANT_PROC("cuEventRecord", 12040, P, cuEventRecord_ptsz);
+    WANT_PROC("cuStreamSynchronize", 12040, P, cuStreamSynchronize_ptsz);
+    WANT_PROC("cuStreamQuery", 12040, P, cuStreamQuery_ptsz);
+    WANT_PROC("cuStreamBeginCapture", 12040, D, cuStreamBeginCapture_v2);
+    WANT_PROC("cuStreamBeginCapture", 12040, P, cuStreamBeginCapture_v2_ptsz);
+    WANT_PROC("cuStreamEndCapture", 12040, P, cuStreamEndCapture_ptsz);
+    WANT_PROC("cuMemAllocAsync", 12040, P, cuMemAllocAsync_ptsz);
+    WANT_PROC("cuMemAllocFromPoolAsync", 12040, P, cuMemAllocFromPoolAsync_ptsz);
+    WANT_PROC("cuMemFreeAsync", 12040, P, cuMemFreeAsync_ptsz);
+    WANT_PROC("cuMemAlloc", 12040, P, cuMemAlloc_v2); /* no _ptsz variant */
+    WANT_PROC("cuMemAlloc", 12040, D, cuMemAlloc_v2);
+    WANT_PROC("cuMemFree", 12040, D, cuMemFree_v2);
+    WANT_PROC("cuMemGetInfo", 12040, D, cuMemGetInfo_v2);
+    WANT_PROC("cuCtxCreate", 12040, D, cuCtxCreate_v2);
+    WANT_PROC("cuCtxDestroy", 12040, D, cuCtxDestroy_v2);
+    WANT_PROC("cuStreamDestroy", 12040, D, cuStreamDestroy_v2);
+    WANT_PROC("cuEventDestroy", 12040, D, cuEventDestroy_v2);
+    WANT_PROC("cuDeviceTotalMem", 12040, D, cuDeviceTotalMem_v2);
+    WANT_PROC("cuDevicePrimaryCtxRelease", 12040, D, cuDevicePrimaryCtxRelease_v2);
+    WANT_PROC("cuDeviceGetUuid", 12040, D, cuDeviceGetUuid_v2);
+    WANT_PROC("cuDeviceGetUuid", 11000, D, cuDeviceGetUuid);
+    WANT_PROC("cuGetProcAddress", 12040, D, cuGetProcAddress_v2);
+    WANT_PROC("cuGetProcAddress", 11080, D, cuGetProcAddress);
+    WANT_PROC("cuArrayCreate", 12040, D, cuArrayCreate_v2);
+    WANT_PROC("cuArray3DCreate", 12040, D, cuArray3DCreate_v2);
+    WANT_PROC("cuMemCreate", 12040, D, cuMemCreate);
+    void *p = (void *)1;
+    CUdriverProcAddressQueryResult st = 99;
+    EXPECT(cuGetProcAddress_v2("cuNoSuchThing", &p, 12040, D, &st), CUDA_ERROR_NOT_FOUND);
+    CHECK(p == NULL && st == CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND);
+    EXPECT(cuGetProcAddress_v2("cuMemAlloc_v2", &p, 12040, D, &st), CUDA_ERROR_NOT_FOUND); /* base names only */
+    EXPECT(cuGetProcAddress_v2("cuLaunchKernelEx", &p, 11000, D, &st), CUDA_ERROR_NOT_FOUND);
+    CHECK(p == NULL && st == CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT);
+    EXPECT(cuGetProcAddress("cuNoSuchThing", &p, 12040, D), CUDA_ERROR_NOT_FOUND);
+    OK(cuGetProcAddress("cuInit", &p, 12040, D));
+    CHECK(p == (void *)cuInit);
+    EXPECT(cuGetProcAddress_v2(NULL, &p, 12040, D, &st), CUDA_ERROR_INVALID_VALUE);
+    printf("procaddr=ok\n");
+    return 0;
+}
+
+struct ptds_arg {
+    pthread_barrier_t *bar;
+    CUresult own, other;
+};
+
+static void *ptds_thread(void *p)
+{
+    struct ptds_arg *a = p;
+    cuCtxSetCurrent(ctx);
+    pthread_barrier_wait(a->bar); /* the main thread's per-thread stream is busy now */
+    a->own = cuStreamQuery_ptsz(NULL);
+    a->other = cuStreamQuery_ptsz(CU_STREAM_PER_THREAD);
+    pthread_barrier_wait(a->bar);
+    return NULL;
+}
+
+/* Per-thread default streams are per thread and distinct from the legacy one. */
+static int t_ptsz(void)
+{
+    setup();
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, 2);
+    struct ptds_arg a = {&bar, -1, -1};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, ptds_thread, &a) == 0);
+    uint64_t ns = 200000000ULL;
+    void *p[] = {&ns};
+    OK(cuLaunchKernel_ptsz(fn, 1, 1, 1, 1, 1, 1, 0, NULL, p, NULL));
+    pthread_barrier_wait(&bar);
+    pthread_barrier_wait(&bar);
+    pthread_join(t, NULL);
+    CHECK(a.own == CUDA_SUCCESS && a.other == CUDA_SUCCESS);
+    EXPECT(cuStreamQuery_ptsz(NULL), CUDA_ERROR_NOT_READY);
+    EXPECT(cuStreamQuery(CU_STREAM_PER_THREAD), CUDA_ERROR_NOT_READY);
+    OK(cuStreamQuery(NULL)); /* legacy stream: idle */
+    OK(cuStreamQuery(CU_STREAM_LEGACY));
+    OK(cuStreamSynchronize_ptsz(NULL));
+    OK(cuStreamQuery(CU_STREAM_PER_THREAD));
+    printf("ptsz=ok\n");
+    return 0;
+}
+
+/* Captured launches build a graph and do not run; the graph runs them. */
+static int t_graph(void)
+{
+    setup();
+    CUstream s;
+    CUevent a, b;
+    CUgraph gr;
+    CUgraphExec ex;
+    CUstreamCaptureStatus cs;
+    float ms;
+    OK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    OK(cuEventCreate(&a, 0));
+    OK(cuEventCreate(&b, 0));
+    EXPECT(cuStreamBeginCapture_v2(NULL, CU_STREAM_CAPTURE_MODE_GLOBAL), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    OK(cuStreamBeginCapture_v2(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    OK(cuStreamIsCapturing(s, &cs));
+    CHECK(cs == CU_STREAM_CAPTURE_STATUS_ACTIVE);
+    for (int i = 0; i < 5; i++)
+        OK(launch_ms(s, 20));
+    OK(cuStreamEndCapture(s, &gr));
+    CHECK(gr != NULL);
+    OK(cuStreamIsCapturing(s, &cs));
+    CHECK(cs == CU_STREAM_CAPTURE_STATUS_NONE);
+    OK(cuStreamQuery(s)); /* nothing ran */
+    OK(cuGraphInstantiateWithFlags(&ex, gr, 0));
+    OK(cuEventRecord(a, s));
+    OK(cuGraphLaunch(ex, s));
+    OK(cuEventRecord(b, s));
+    EXPECT(cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+    OK(cuStreamSynchronize(s));
+    OK(cuEventElapsedTime(&ms, a, b));
+    printf("capture_graph_ms=%.3f\n", ms);
+    OK(cuGraphExecDestroy(ex));
+    OK(cuGraphDestroy(gr));
+
+    /* explicit nodes */
+    OK(cuGraphCreate(&gr, 0));
+    uint64_t ns = 20000000ULL;
+    void *p[] = {&ns};
+    CUDA_KERNEL_NODE_PARAMS np = {.func = fn, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 1,
+                                  .blockDimY = 1, .blockDimZ = 1, .kernelParams = p};
+    CUgraphNode n1, n2, n3;
+    OK(cuGraphAddKernelNode(&n1, gr, NULL, 0, &np));
+    ns = 0; /* parameters are copied when the node is added */
+    OK(cuGraphAddKernelNode(&n2, gr, &n1, 1, &np));
+    ns = 20000000ULL;
+    OK(cuGraphAddKernelNode(&n3, gr, &n2, 1, &np));
+    OK(cuGraphInstantiateWithFlags(&ex, gr, 0));
+    OK(cuEventRecord(a, s));
+    OK(cuGraphLaunch_ptsz(ex, s));
+    OK(cuEventRecord(b, s));
+    OK(cuEventSynchronize(b));
+    OK(cuEventElapsedTime(&ms, a, b));
+    printf("node_graph_ms=%.3f\n", ms);
+
+    /* a synchronize during capture invalidates it */
+    OK(cuStreamBeginCapture_v2(s, CU_STREAM_CAPTURE_MODE_RELAXED));
+    EXPECT(cuStreamSynchronize(s), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    EXPECT(cuStreamEndCapture(s, &gr), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    CHECK(gr == NULL);
+    EXPECT(cuStreamEndCapture(s, &gr), (CUresult)401); /* CUDA_ERROR_ILLEGAL_STATE */
+    printf("graph=ok\n");
+    return 0;
+}
+
+static void meminfo(size_t *fr)
+{
+    size_t tot;
+    OK(cuMemGetInfo_v2(fr, &tot));
+}
+
+/* Accounting of every allocation API, address ranges, bad frees. */
+static int t_memory(void)
+{
+    setup();
+    size_t f0, f1;
+    CUdeviceptr p, q, base;
+    size_t size, pitch;
+    meminfo(&f0);
+    OK(cuMemAlloc_v2(&p, 1000));
+    OK(cuMemAlloc_v2(&q, 5000));
+    CHECK(p != q && p % 512 == 0 && q % 512 == 0);
+    OK(cuMemGetAddressRange_v2(&base, &size, q + 4999));
+    CHECK(base == q && size == 5000);
+    EXPECT(cuMemGetAddressRange_v2(&base, &size, q + 5000), CUDA_ERROR_NOT_FOUND);
+    meminfo(&f1);
+    CHECK(f0 - f1 == 6000);
+    OK(cuMemFree_v2(p));
+    EXPECT(cuMemFree_v2(p), CUDA_ERROR_INVALID_VALUE);
+    OK(cuMemFree_v2(q));
+    EXPECT(cuMemAlloc_v2(&p, 0), CUDA_ERROR_INVALID_VALUE);
+
+    OK(cuMemAllocPitch_v2(&p, &pitch, 1000, 10, 4));
+    CHECK(pitch == 1024);
+    meminfo(&f1);
+    CHECK(f0 - f1 == 10240);
+    OK(cuMemFree_v2(p));
+
+    CUarray arr;
+    CUDA_ARRAY_DESCRIPTOR ad = {.Width = 100, .Height = 0, .Format = CU_AD_FORMAT_HALF, .NumChannels = 2};
+    OK(cuArrayCreate_v2(&arr, &ad));
+    meminfo(&f1);
+    CHECK(f0 - f1 == 400);
+    EXPECT(cuMemFree_v2((CUdeviceptr)(uintptr_t)arr), CUDA_ERROR_INVALID_VALUE);
+    OK(cuArrayDestroy(arr));
+    CUDA_ARRAY3D_DESCRIPTOR ad3 = {.Width = 10, .Height = 20, .Depth = 3, .Format = CU_AD_FORMAT_FLOAT,
+                                   .NumChannels = 4};
+    OK(cuArray3DCreate_v2(&arr, &ad3));
+    meminfo(&f1);
+    CHECK(f0 - f1 == 16 * 10 * 20 * 3);
+    OK(cuArrayDestroy(arr));
+
+    CUmemGenericAllocationHandle h;
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof(prop));
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    OK(cuMemCreate(&h, 2 << 20, &prop, 0));
+    meminfo(&f1);
+    CHECK(f0 - f1 == (2 << 20));
+    OK(cuMemRelease(h));
+    EXPECT(cuMemRelease(h), CUDA_ERROR_INVALID_VALUE);
+
+    /* stream-ordered free happens when the stream gets there */
+    CUstream s;
+    CUmemoryPool pool;
+    OK(cuStreamCreate(&s, 0));
+    OK(cuDeviceGetDefaultMemPool(&pool, 0));
+    OK(cuMemAllocFromPoolAsync(&p, 4096, pool, s));
+    OK(cuMemAllocAsync(&q, 4096, s));
+    OK(launch_ms(s, 100));
+    OK(cuMemFreeAsync(p, s));
+    OK(cuMemFreeAsync(q, s));
+    meminfo(&f1);
+    CHECK(f0 - f1 == 8192); /* still in use by the running kernel */
+    OK(cuStreamSynchronize(s));
+    meminfo(&f1);
+    CHECK(f0 == f1);
+
+    /* destroying a context frees its memory */
+    CUcontext c2;
+    OK(cuCtxCreate_v2(&c2, 0, 0));
+    OK(cuMemAlloc_v2(&p, 1 << 20));
+    meminfo(&f1);
+    CHECK(f0 - f1 == (1 << 20));
+    OK(cuCtxDestroy_v2(c2));
+    CUcontext cur;
+    OK(cuCtxGetCurrent(&cur));
+    CHECK(cur == ctx);
+    meminfo(&f1);
+    CHECK(f0 == f1);
+    printf("memory=ok\n");
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: fctest async|procaddr|ptsz|graph|memory\n");
+        return 2;
+    }
+    int r = 2;
+    if (!strcmp(argv[1], "async"))
+        r = t_async();
+    else if (!strcmp(argv[1], "procaddr"))
+        r = t_procaddr();
+    else if (!strcmp(argv[1], "ptsz"))
+        r = t_ptsz();
+    else if (!strcmp(argv[1], "graph"))
+        r = t_graph();
+    else if (!strcmp(argv[1], "memory"))
+        r = t_memory();
+    return r;
+}
