@@ -3,6 +3,7 @@ package cdi
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -101,6 +102,10 @@ func WriteFile(path string, spec *specs.Spec) error {
 func writeFileAtomic(path string, data []byte, mode os.FileMode) error {
 	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp*")
 	if err != nil {
+		var pe *os.PathError
+		if errors.As(err, &pe) {
+			err = pe.Err
+		}
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	tmp := f.Name()
@@ -119,6 +124,15 @@ func writeFileAtomic(path string, data []byte, mode os.FileMode) error {
 		err = os.Rename(tmp, path)
 	}
 	if err != nil {
+		// The temporary file's name means nothing to the reader.
+		var pe *os.PathError
+		var le *os.LinkError
+		switch {
+		case errors.As(err, &pe):
+			err = pe.Err
+		case errors.As(err, &le):
+			err = le.Err
+		}
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	return nil
