@@ -1,7 +1,9 @@
 package engine
 
 import (
+	"bytes"
 	"encoding/json"
+	"flag"
 	"os"
 	"path/filepath"
 	"slices"
@@ -443,4 +445,45 @@ func FuzzAddImport(f *testing.F) {
 			t.Fatalf("edit of %q changed other settings: %q", in, out)
 		}
 	})
+}
+
+var update = flag.Bool("update", false, "rewrite the shipped snippets in packaging/")
+
+// The packaged files are what the command writes on a node without engine
+// configuration, so that packages and the command never disagree.
+func TestShippedSnippets(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	ctrd, err := Containerd(ContainerdOptions{Config: filepath.Join(dir, "config.toml"), DropIn: ContainerdDropIn, SpecDirs: specDirs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	docker, err := Docker(filepath.Join(dir, "daemon.json"), specDirs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		file string
+		want []byte
+	}{
+		{"../../packaging/containerd/conf.d/mgpu.toml", ctrd[0].New},
+		{"../../packaging/containerd/config.toml", ctrd[1].New},
+		{"../../packaging/docker/daemon.json", docker[0].New},
+	} {
+		if *update {
+			if err := os.MkdirAll(filepath.Dir(tc.file), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(tc.file, tc.want, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		got, err := os.ReadFile(tc.file)
+		if err != nil {
+			t.Fatalf("%v (go test ./cdi/engine -update writes it)", err)
+		}
+		if !bytes.Equal(got, tc.want) {
+			t.Errorf("%s differs from what mgpu-cli runtime configure writes (go test ./cdi/engine -update):\n%s", tc.file, tc.want)
+		}
+	}
 }
