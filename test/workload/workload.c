@@ -75,6 +75,7 @@ static struct {
     long streams;
     long threads;
     long report_ms;
+    long idle_ms;
     int null_stream;
     long graph_nodes;
     const char *graph_build;
@@ -98,7 +99,7 @@ static void usage(FILE *f)
             "        T=-1 holds until killed; exit 2 when an allocation ran out of memory\n"
             "  alloc-churn --api NAME --mib N --iterations I [--threads T]\n"
             "  compute --api launch|launchex|coop|graph --kernel-us U --depth D --seconds S\n"
-            "          [--streams N] [--threads T] [--null-stream] [--report-ms M]\n"
+            "          [--streams N] [--threads T] [--null-stream] [--report-ms M] [--idle-ms I]\n"
             "          [--graph-nodes G] [--graph-build capture|nodes]\n"
             "  bench-launch [--n N]                    ns_per_launch of 0-duration kernels\n"
             "  bench-alloc [--n N] [--bytes B] [--api NAME]   ns_per_alloc of alloc+free pairs\n"
@@ -634,6 +635,16 @@ static int cmd_compute(void)
         build_graph(cs);
         CK(cu.cuStreamDestroy_v2(cs));
     }
+    if (opt.idle_ms > 0) { /* attached and ready, but no demand yet */
+        printf("idle ms=%ld\n", opt.idle_ms);
+        fflush(stdout);
+        uint64_t until = now_ns() + (uint64_t)opt.idle_ms * 1000000ULL;
+        struct timespec ts = {(time_t)(until / 1000000000ULL), (long)(until % 1000000000ULL)};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+            ;
+    }
+    printf("start\n"); /* the first launch follows */
+    fflush(stdout);
     pthread_t th[256];
     uint64_t t0 = now_ns();
     for (long i = 0; i < opt.threads; i++)
@@ -813,6 +824,8 @@ int main(int argc, char **argv)
             opt.threads = num(a, VAL());
         } else if (strcmp(a, "--report-ms") == 0) {
             opt.report_ms = num(a, VAL());
+        } else if (strcmp(a, "--idle-ms") == 0) {
+            opt.idle_ms = num(a, VAL());
         } else if (strcmp(a, "--null-stream") == 0) {
             opt.null_stream = 1;
         } else if (strcmp(a, "--graph-nodes") == 0) {

@@ -1,0 +1,429 @@
+// Package harness runs a whole simulated mgpu node from the built binaries:
+// enforcers (build/bin/mgpu-enforcer) on simulated GPUs, workloads
+// (build/bin/mgpu-workload) started through `mgpu-cli run` with the shim
+// preloaded in front of the simulated driver (test/fakecuda), and the
+// simulated device's own busy-time records, from which achieved shares are
+// measured. The process-level tests, `make demo` and `make bench` use it.
+package harness
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/internal/policy"
+	"github.com/mgpu-dev/mgpu/test/fakecuda"
+)
+
+// NodeConfig describes the simulated node.
+type NodeConfig struct {
+	Devices      int                   // simulated GPUs (default 1)
+	MemoryMiB    int64                 // per GPU (default 81920)
+	Policies     map[int]policy.Policy // per device (default fixed-share)
+	TimesliceMS  int                   // compute_timeslice (0: the config default)
+	MaxInstances int                   // max_instances (0: the config default)
+	// Shim overrides the shim library (e.g. the ASan build).
+	Shim string
+	// ExtraEnv is added to every workload's environment.
+	ExtraEnv []string
+	// Log receives the enforcers' logs (default: discarded).
+	Log io.Writer
+}
+
+// Node is a running simulated node. Close it.
+type Node struct {
+	Dir        string // temporary root of everything below
+	ConfigPath string // the node configuration
+	RunDir     string
+	FakeState  string // FAKECUDA_STATE_DIR
+	Build      string // the build directory
+	Paths      fakecuda.Paths
+	CLI        string // mgpu-cli
+	Enforcer   string // mgpu-enforcer
+	Shim       string // libmgpu-shim.so
+
+	nc        NodeConfig
+	mu        sync.Mutex
+	enforcers map[int]*exec.Cmd
+	jobs      []*Job
+	shells    []*Shell
+}
+
+// NewNode writes the configuration of a simulated node under a new
+// temporary directory. It starts nothing; see StartEnforcer.
+func NewNode(nc NodeConfig) (*Node, error) {
+	if nc.Devices == 0 {
+		nc.Devices = 1
+	}
+	if nc.MemoryMiB == 0 {
+		nc.MemoryMiB = 81920
+	}
+	build, err := fakecuda.BuildDir()
+	if err != nil {
+		return nil, err
+	}
+	n := &Node{
+		Build:     build,
+		Paths:     fakecuda.PathsIn(build),
+		CLI:       filepath.Join(build, "bin", "mgpu-cli"),
+		Enforcer:  filepath.Join(build, "bin", "mgpu-enforcer"),
+		Shim:      filepath.Join(build, "lib", "libmgpu-shim.so"),
+		nc:        nc,
+		enforcers: map[int]*exec.Cmd{},
+	}
+	if nc.Shim != "" {
+		n.Shim = nc.Shim
+	}
+	for _, p := range []string{n.CLI, n.Enforcer, n.Shim, n.Paths.Workload, n.Paths.Ctl, filepath.Join(n.Paths.LibDir, "libcuda.so.1")} {
+		if _, err := os.Stat(p); err != nil {
+			return nil, fmt.Errorf("harness: %s is missing; run make build", p)
+		}
+	}
+	if n.Dir, err = os.MkdirTemp("", "mgpu-node-"); err != nil {
+		return nil, err
+	}
+	n.RunDir = filepath.Join(n.Dir, "run")
+	n.FakeState = filepath.Join(n.Dir, "fakecuda")
+	if err := os.MkdirAll(n.FakeState, 0o755); err != nil {
+		return nil, err
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "version = 1\nbackend = \"sim\"\nrun_dir = %q\nstate_dir = %q\n\n[defaults]\n",
+		n.RunDir, filepath.Join(n.Dir, "state"))
+	if nc.TimesliceMS != 0 {
+		fmt.Fprintf(&b, "compute_timeslice = %d\n", nc.TimesliceMS)
+	}
+	if nc.MaxInstances != 0 {
+		fmt.Fprintf(&b, "max_instances = %d\n", nc.MaxInstances)
+	}
+	for dev := 0; dev < nc.Devices; dev++ {
+		if p, ok := nc.Policies[dev]; ok {
+			fmt.Fprintf(&b, "\n[[device]]\nindex = %d\ncompute_policy = %q\n", dev, p.String())
+		}
+	}
+	for dev := 0; dev < nc.Devices; dev++ {
+		fmt.Fprintf(&b, "\n[[sim.gpu]]\nname = \"Simulated-GPU-80GB\"\nmemory_mib = %d\n", nc.MemoryMiB)
+	}
+	n.ConfigPath = filepath.Join(n.Dir, "config.toml")
+	if err := os.WriteFile(n.ConfigPath, []byte(b.String()), 0o644); err != nil { //nolint:gosec // a test config
+		return nil, err
+	}
+	return n, nil
+}
+
+// Env is the environment of every process of the node: the simulated
+// driver, its state and the node configuration.
+func (n *Node) Env(extra ...string) []string {
+	base := fakecuda.Env(n.Paths, n.FakeState,
+		"FAKECUDA_DEVICES="+strconv.Itoa(n.nc.Devices),
+		fmt.Sprintf("FAKECUDA_MEMORY_MIB=%d", n.nc.MemoryMiB),
+		"MGPU_CONFIG="+n.ConfigPath)
+	base = append(base, n.nc.ExtraEnv...)
+	return append(base, extra...)
+}
+
+// StartEnforcer starts mgpu-enforcer for device dev and waits until its
+// control socket answers.
+func (n *Node) StartEnforcer(dev int) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if c, ok := n.enforcers[dev]; ok && c.ProcessState == nil {
+		return fmt.Errorf("harness: enforcer %d already runs", dev)
+	}
+	cmd := exec.Command(n.Enforcer, "--device", strconv.Itoa(dev), "--config", n.ConfigPath)
+	cmd.Env = n.Env()
+	cmd.Stdout, cmd.Stderr = n.logWriter(), n.logWriter()
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	n.enforcers[dev] = cmd
+	go func() { _ = cmd.Wait() }()
+	client := api.NewClient(n.ControlSocket(dev))
+	return poll(10*time.Second, func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_, err := client.List(ctx)
+		return err
+	})
+}
+
+// StopEnforcer sends sig to device dev's enforcer and waits for it to exit.
+func (n *Node) StopEnforcer(dev int, sig syscall.Signal) error {
+	n.mu.Lock()
+	cmd := n.enforcers[dev]
+	delete(n.enforcers, dev)
+	n.mu.Unlock()
+	if cmd == nil {
+		return fmt.Errorf("harness: no enforcer for device %d", dev)
+	}
+	if err := cmd.Process.Signal(sig); err != nil {
+		return err
+	}
+	return poll(10*time.Second, func() error {
+		if err := cmd.Process.Signal(syscall.Signal(0)); err == nil {
+			return errors.New("still running")
+		}
+		return nil
+	})
+}
+
+// ControlSocket is device dev's control socket.
+func (n *Node) ControlSocket(dev int) string {
+	return api.ControlSocket(filepath.Join(n.RunDir, fmt.Sprintf("gpu%d", dev)))
+}
+
+// Client is a control-API client of device dev.
+func (n *Node) Client(dev int) *api.Client { return api.NewClient(n.ControlSocket(dev)) }
+
+func (n *Node) logWriter() io.Writer {
+	if n.nc.Log != nil {
+		return n.nc.Log
+	}
+	return io.Discard
+}
+
+// RunSpec is one workload started through `mgpu-cli run`.
+type RunSpec struct {
+	Name      string // a label for reports
+	Device    int
+	Core      int
+	MemoryMiB int
+	Policy    string   // "" means the device's
+	Args      []string // mgpu-workload's arguments
+	Env       []string // extra environment
+}
+
+// Job is a running `mgpu-cli run -- mgpu-workload ...`.
+type Job struct {
+	Spec RunSpec
+	Cmd  *exec.Cmd
+	out  syncBuffer
+	done chan struct{}
+	err  error
+
+	mu   sync.Mutex
+	pids map[int]bool // the workload processes seen so far
+}
+
+// Start starts a workload under a new instance.
+func (n *Node) Start(spec RunSpec) (*Job, error) {
+	args := []string{"--config", n.ConfigPath, "run",
+		"--device", strconv.Itoa(spec.Device),
+		"--core", strconv.Itoa(spec.Core),
+		"--memory", strconv.Itoa(spec.MemoryMiB),
+		"--shim", n.Shim}
+	if spec.Policy != "" {
+		args = append(args, "--policy", spec.Policy)
+	}
+	args = append(args, "--", n.Paths.Workload)
+	args = append(args, spec.Args...)
+	j := &Job{Spec: spec, done: make(chan struct{}), pids: map[int]bool{}}
+	j.Cmd = exec.Command(n.CLI, args...)
+	j.Cmd.Env = n.Env(spec.Env...)
+	j.Cmd.Stdout, j.Cmd.Stderr = &j.out, &j.out
+	j.Cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := j.Cmd.Start(); err != nil {
+		return nil, err
+	}
+	n.mu.Lock()
+	n.jobs = append(n.jobs, j)
+	n.mu.Unlock()
+	go func() {
+		j.err = j.Cmd.Wait()
+		close(j.done)
+	}()
+	return j, nil
+}
+
+// Wait waits for the job to end and returns its error (nil: exit status 0).
+func (j *Job) Wait() error {
+	<-j.done
+	return j.err
+}
+
+// Done is closed when the job has ended.
+func (j *Job) Done() <-chan struct{} { return j.done }
+
+// Output is what the job printed so far (stdout and stderr).
+func (j *Job) Output() string { return j.out.String() }
+
+// Kill kills the job's whole process tree.
+func (j *Job) Kill() {
+	for pid := range j.Pids() {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+	}
+	if j.Cmd.Process != nil {
+		_ = j.Cmd.Process.Kill()
+	}
+}
+
+// Pids returns the processes of the job (mgpu-cli and its descendants) seen
+// so far, including ones that have exited since.
+func (j *Job) Pids() map[int]bool {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.Cmd.Process != nil {
+		for _, p := range Descendants(j.Cmd.Process.Pid) {
+			j.pids[p] = true
+		}
+	}
+	out := make(map[int]bool, len(j.pids))
+	for p := range j.pids {
+		out[p] = true
+	}
+	return out
+}
+
+// Close kills every job and enforcer and removes the node's directory.
+func (n *Node) Close() error {
+	n.mu.Lock()
+	jobs := n.jobs
+	shells := n.shells
+	enf := n.enforcers
+	n.enforcers = map[int]*exec.Cmd{}
+	n.mu.Unlock()
+	for _, j := range jobs {
+		j.Kill()
+		<-j.done
+	}
+	for _, s := range shells {
+		s.Close()
+	}
+	for _, c := range enf {
+		_ = c.Process.Signal(syscall.SIGTERM)
+	}
+	for _, c := range enf {
+		_ = poll(5*time.Second, func() error {
+			if c.Process.Signal(syscall.Signal(0)) == nil {
+				return errors.New("running")
+			}
+			return nil
+		})
+		_ = c.Process.Kill()
+	}
+	return os.RemoveAll(n.Dir)
+}
+
+// Sample is the simulated device's state at one moment.
+type Sample struct {
+	At    time.Time
+	State fakecuda.State
+}
+
+// Sample reads the simulated devices' busy-time records.
+func (n *Node) Sample() (Sample, error) {
+	t0 := time.Now()
+	s, err := fakecuda.StatWith(n.Paths.Ctl, n.FakeState)
+	t1 := time.Now()
+	// The state was read somewhere between t0 and t1 (a process start).
+	return Sample{At: t0.Add(t1.Sub(t0) / 2), State: s}, err
+}
+
+// Busy returns the GPU time the processes pids used on device dev between
+// samples a and b.
+func Busy(a, b Sample, dev int, pids map[int]bool) time.Duration {
+	sum := func(s Sample) uint64 {
+		d, _ := s.State.Device(dev)
+		var t uint64
+		for _, p := range d.Procs {
+			if pids == nil || pids[p.PID] {
+				t += p.BusyNs
+			}
+		}
+		return t
+	}
+	return time.Duration(sum(b) - sum(a)) //nolint:gosec // busy time only grows between samples
+}
+
+// Share returns Busy as a percentage of the wall time between a and b.
+func Share(a, b Sample, dev int, pids map[int]bool) float64 {
+	wall := b.At.Sub(a.At)
+	if wall <= 0 {
+		return 0
+	}
+	return 100 * float64(Busy(a, b, dev, pids)) / float64(wall)
+}
+
+// Descendants lists pid and all its descendant processes now alive.
+func Descendants(pid int) []int {
+	children := map[int][]int{}
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		p, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if pp, ok := parentOf(p); ok {
+			children[pp] = append(children[pp], p)
+		}
+	}
+	out := []int{pid}
+	for i := 0; i < len(out); i++ {
+		out = append(out, children[out[i]]...)
+	}
+	return out
+}
+
+func parentOf(pid int) (int, bool) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, false
+	}
+	// pid (comm) state ppid ...; comm may hold spaces and parentheses.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, false
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 2 {
+		return 0, false
+	}
+	pp, err := strconv.Atoi(f[1])
+	return pp, err == nil
+}
+
+// WaitFor polls cond every 10 ms until it returns nil or timeout passes.
+func WaitFor(timeout time.Duration, cond func() error) error { return poll(timeout, cond) }
+
+func poll(timeout time.Duration, cond func() error) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		err := cond()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("harness: gave up after %v: %w", timeout, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}

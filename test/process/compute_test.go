@@ -1,0 +1,229 @@
+package process
+
+import (
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mgpu-dev/mgpu/internal/policy"
+	"github.com/mgpu-dev/mgpu/test/harness"
+)
+
+// epsilon is the normative tolerance, in percentage points.
+const epsilon = 2.0
+
+// load is one saturating workload of a share scenario.
+type load struct {
+	core int
+	args []string // mgpu-workload compute options (after "compute")
+}
+
+func saturating(api string, kernelUS, depth int, extra ...string) []string {
+	return append([]string{"--api", api, "--kernel-us", strconv.Itoa(kernelUS), "--depth", strconv.Itoa(depth)}, extra...)
+}
+
+// measureShares starts the loads on device 0 of a node with policy p, waits
+// until they all launch, lets them settle for warm, and returns the share of
+// device time (percent) each achieved over the window, measured from the
+// simulated device's per-process busy time.
+func measureShares(t *testing.T, p policy.Policy, loads []load, warm, win time.Duration) []float64 {
+	t.Helper()
+	n := newNode(t, harness.NodeConfig{Policies: map[int]policy.Policy{0: p}})
+	secs := (warm + win + 5*time.Second).Seconds()
+	var jobs []*harness.Job
+	for i, l := range loads {
+		args := []string{}
+		if len(l.args) > 0 && l.args[0] == "--resolve" {
+			args = append(args, l.args[:2]...)
+			l.args = l.args[2:]
+		}
+		args = append(args, "compute", "--seconds", fmt.Sprintf("%.1f", secs))
+		args = append(args, l.args...)
+		j, err := n.Start(harness.RunSpec{Name: fmt.Sprintf("w%d", i), Device: 0, Core: l.core, MemoryMiB: 1024, Args: args})
+		if err != nil {
+			t.Fatal(err)
+		}
+		jobs = append(jobs, j)
+	}
+	for _, j := range jobs {
+		err := harness.WaitFor(15*time.Second, func() error {
+			if strings.Contains(j.Output(), "start") {
+				return nil
+			}
+			select {
+			case <-j.Done():
+				return fmt.Errorf("exited early: %s", j.Output())
+			default:
+				return fmt.Errorf("not started: %q", j.Output())
+			}
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(warm) // measurement window, not synchronisation
+	pids := make([]map[int]bool, len(jobs))
+	for i, j := range jobs {
+		pids[i] = j.Pids()
+	}
+	a, err := n.Sample()
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(win)
+	b, err := n.Sample()
+	if err != nil {
+		t.Fatal(err)
+	}
+	shares := make([]float64, len(jobs))
+	for i := range jobs {
+		select {
+		case <-jobs[i].Done():
+			t.Fatalf("workload %d ended during the window:\n%s", i, jobs[i].Output())
+		default:
+		}
+		shares[i] = harness.Share(a, b, 0, pids[i])
+	}
+	t.Logf("%s shares over %v: %v (device %.2f%%)", p, win, round(shares), harness.Share(a, b, 0, nil))
+	return shares
+}
+
+func round(v []float64) []string {
+	out := make([]string, len(v))
+	for i, x := range v {
+		out[i] = strconv.FormatFloat(x, 'f', 2, 64)
+	}
+	return out
+}
+
+func within(t *testing.T, what string, got, want float64) {
+	t.Helper()
+	if math.Abs(got-want) > epsilon {
+		t.Errorf("%s: %.2f%%, want %.0f ± %.0f", what, got, want, epsilon)
+	}
+}
+
+func TestFixedShare(t *testing.T) {
+	win := window()
+	for _, tc := range []struct {
+		name  string
+		loads []load
+	}{
+		{"30/70 launch 50us depth 1000", []load{{30, saturating("launch", 50, 1000)}, {70, saturating("launch", 50, 1000)}}},
+		{"20/30/50 launch 1ms", []load{{20, saturating("launch", 1000, 4)}, {30, saturating("launch", 1000, 4)}, {50, saturating("launch", 1000, 4)}}},
+		{"30/70 launchex 5ms", []load{{30, saturating("launchex", 5000, 4)}, {70, saturating("launchex", 5000, 4)}}},
+		{"30/70 cuGetProcAddress_v2 50us", []load{{30, append([]string{"--resolve", "proc"}, saturating("launch", 50, 64)...)}, {70, append([]string{"--resolve", "proc"}, saturating("launch", 50, 64)...)}}},
+		{"30/70 runtime path 500us", []load{{30, append([]string{"--resolve", "runtime"}, saturating("launch", 500, 8)...)}, {70, append([]string{"--resolve", "runtime"}, saturating("launch", 500, 8)...)}}},
+		{"30/70 graph 5ms", []load{{30, saturating("graph", 5000, 2, "--graph-nodes", "4")}, {70, saturating("graph", 5000, 2, "--graph-nodes", "4")}}},
+		{"30/70 graph 50us", []load{{30, saturating("graph", 50, 4, "--graph-nodes", "16")}, {70, saturating("graph", 50, 4, "--graph-nodes", "16")}}},
+		{"30 two threads two streams / 70", []load{{30, saturating("launch", 200, 16, "--streams", "2", "--threads", "2")}, {70, saturating("launch", 200, 16)}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			shares := measureShares(t, policy.FixedShare, tc.loads, time.Second, win)
+			for i, l := range tc.loads {
+				within(t, fmt.Sprintf("instance %d (core %d)", i, l.core), shares[i], float64(l.core))
+			}
+		})
+	}
+}
+
+func TestFixedShareLoneInstanceCapped(t *testing.T) {
+	shares := measureShares(t, policy.FixedShare, []load{{30, saturating("launch", 100, 64)}}, time.Second, window())
+	if shares[0] > 30+epsilon {
+		t.Errorf("a lone 30%% instance used %.2f%% of an otherwise idle GPU, want <= %.0f", shares[0], 30+epsilon)
+	}
+	if shares[0] < 30-epsilon {
+		t.Errorf("a lone saturating 30%% instance got %.2f%%, want >= %.0f", shares[0], 30-epsilon)
+	}
+}
+
+func TestNativeBurstShare(t *testing.T) {
+	shares := measureShares(t, policy.NativeBurstShare, []load{{1, saturating("launch", 100, 64)}, {3, saturating("launch", 100, 64)}}, time.Second, window())
+	within(t, "weight 1", shares[0], 25)
+	within(t, "weight 3", shares[1], 75)
+}
+
+// TestGuaranteedBurstShare: 30/70 with the 70 idle → the 30 gets >= 95 % of
+// the device; when the 70 resumes it gets >= 68 % measured over
+// [resume+50 ms, resume+100 ms], and keeps it.
+func TestGuaranteedBurstShare(t *testing.T) {
+	n := newNode(t, harness.NodeConfig{Policies: map[int]policy.Policy{0: policy.GuaranteedBurstShare}})
+	const idle = 4 * time.Second
+	a, err := n.Start(harness.RunSpec{Device: 0, Core: 30, MemoryMiB: 1024,
+		Args: []string{"compute", "--api", "launch", "--kernel-us", "100", "--depth", "64", "--seconds", "12"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := n.Start(harness.RunSpec{Device: 0, Core: 70, MemoryMiB: 1024,
+		Args: []string{"compute", "--api", "launch", "--kernel-us", "100", "--depth", "64", "--seconds", "6", "--idle-ms", strconv.Itoa(int(idle / time.Millisecond))}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, j := range []*harness.Job{a, b} {
+		if err := harness.WaitFor(15*time.Second, func() error {
+			if strings.Contains(j.Output(), "start") || strings.Contains(j.Output(), "idle ms=") {
+				return nil
+			}
+			return fmt.Errorf("not ready: %q", j.Output())
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(500 * time.Millisecond)
+	pa := a.Pids()
+	s0, err := n.Sample()
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Second)
+	s1, err := n.Sample()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := harness.Share(s0, s1, 0, pa); got < 95 {
+		t.Errorf("with the 70 idle the 30 got %.2f%% of the device, want >= 95", got)
+	} else {
+		t.Logf("70 idle: the 30 got %.2f%%", got)
+	}
+	// Watch for the 70's first launch as closely as we can.
+	if err := harness.WaitFor(10*time.Second, func() error {
+		if strings.Contains(b.Output(), "start") {
+			return nil
+		}
+		return fmt.Errorf("the 70 has not resumed")
+	}); err != nil {
+		t.Fatal(err)
+	}
+	resumed := time.Now()
+	pb := b.Pids()
+	time.Sleep(time.Until(resumed.Add(50 * time.Millisecond)))
+	r0, err := n.Sample()
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Until(resumed.Add(100 * time.Millisecond)))
+	r1, err := n.Sample()
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Second)
+	r2, err := n.Sample()
+	if err != nil {
+		t.Fatal(err)
+	}
+	early, late := harness.Share(r0, r1, 0, pb), harness.Share(r1, r2, 0, pb)
+	t.Logf("the 70 after resuming: %.2f%% over [%v, %v], %.2f%% over the next 2 s; the 30: %.2f%%",
+		early, r0.At.Sub(resumed).Round(time.Millisecond), r1.At.Sub(resumed).Round(time.Millisecond), late, harness.Share(r1, r2, 0, pa))
+	if early < 68 {
+		t.Errorf("the 70 reached only %.2f%% in the window ending 100 ms after it resumed, want >= 68", early)
+	}
+	if late < 68 {
+		t.Errorf("the 70 got %.2f%% over the 2 s after resuming, want >= 68", late)
+	}
+	if got := harness.Share(r1, r2, 0, pa); got < 30-epsilon {
+		t.Errorf("the 30 got %.2f%% while both were busy, want >= %.0f", got, 30-epsilon)
+	}
+}
