@@ -252,4 +252,3 @@ func kv(t *testing.T, out, key string) uint64 {
 	v, _ := strconv.ParseUint(m[1], 10, 64)
 	return v
 }
-
