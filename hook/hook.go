@@ -117,7 +117,7 @@ func (h *Hook) Create(ctx context.Context, st *oci.State) ([]Admitted, error) {
 			if inst.Name != "" { // made, but not usable
 				done = append(done, Admitted{Device: d.Index, Instance: inst})
 			}
-			h.undo(st.ID, done, uncertain, d.Index)
+			h.undo(st.ID, id, done, uncertain, d.Index)
 			return nil, err
 		}
 		done = append(done, Admitted{Device: d.Index, Instance: inst})
@@ -129,6 +129,10 @@ func (h *Hook) Create(ctx context.Context, st *oci.State) ([]Admitted, error) {
 // with a name was made and must be rolled back; uncertain reports a failure
 // after which the enforcer may have made one anyway (a timeout or a lost
 // connection), so rollback must look for it.
+//
+// The enforcer itself returns the existing instance of a container admitted
+// before with the same process and quotas, refuses one with other quotas or
+// whose init still runs, and replaces one whose init is gone.
 func (h *Hook) admit(ctx context.Context, d Device, id Identity, creq api.CreateRequest) (api.Instance, bool, error) {
 	e := h.connect(d.Index)
 	info, err := e.Device(ctx)
@@ -138,43 +142,24 @@ func (h *Hook) admit(ctx context.Context, d Device, id Identity, creq api.Create
 	if info.UUID != "" && info.UUID != d.UUID {
 		return api.Instance{}, false, fmt.Errorf("the CDI spec says GPU %d is %s but device %d is %s; regenerate the CDI spec (mgpu-cli cdi generate)", d.Index, d.UUID, d.Index, info.UUID)
 	}
-	for attempt := 0; ; attempt++ {
-		resp, err := e.Create(ctx, creq)
-		if err != nil {
-			var ae *api.Error
-			return api.Instance{}, !errors.As(err, &ae), deviceErr(d.Index, err)
-		}
-		inst := resp.Instance
-		if inst.PID == id.Pid && inst.StartTime == id.StartTime {
-			if resp.Existing && (inst.Core != creq.Core || inst.MemoryMiB != creq.MemoryMiB) {
-				return inst, false, fmt.Errorf("device %d: container %q already has instance %s with core %d and memory %d MiB, not core %d and memory %d MiB; recreate the container",
-					d.Index, creq.ContainerID, inst.Name, inst.Core, inst.MemoryMiB, creq.Core, creq.MemoryMiB)
-			}
-			return inst, false, nil
-		}
-		// An instance of the same container id with another init.
-		if !resp.Existing {
-			// The enforcer made it for a different process than we
-			// read: the pid was reused meanwhile; the container's init
-			// is gone.
-			return inst, false, fmt.Errorf("device %d: container %q: init pid %d changed while it was admitted (%w)", d.Index, creq.ContainerID, id.Pid, ErrProcessGone)
-		}
-		if h.proc.Alive(inst.PID, inst.StartTime) || attempt > 0 {
-			return api.Instance{}, false, fmt.Errorf("device %d already has instance %s for container id %q with another init (pid %d, still running); container ids must be unique on the node: remove the other container or choose another id",
-				d.Index, inst.Name, creq.ContainerID, inst.PID)
-		}
-		// A stale instance of an earlier container with this id whose
-		// poststop hook never ran: release it and ask again, once.
-		if _, err := e.Destroy(ctx, inst.Name); err != nil {
-			return api.Instance{}, false, deviceErr(d.Index, err)
-		}
+	resp, err := e.Create(ctx, creq)
+	if err != nil {
+		var ae *api.Error
+		return api.Instance{}, !errors.As(err, &ae), deviceErr(d.Index, err)
 	}
+	inst := resp.Instance
+	if inst.PID != id.Pid || inst.StartTime != id.StartTime {
+		// The enforcer read another process than the hook did: the
+		// container's init exited and its pid was reused meanwhile.
+		return inst, false, fmt.Errorf("device %d: container %q: init pid %d changed while it was admitted (%w)", d.Index, creq.ContainerID, id.Pid, ErrProcessGone)
+	}
+	return inst, false, nil
 }
 
 // undo destroys the instances Create made, and on the device whose outcome
 // is uncertain the instance of this container if there is one. It has its
 // own short deadline, so that a create that ran out of time still cleans up.
-func (h *Hook) undo(containerID string, done []Admitted, uncertain bool, uncertainDev int) {
+func (h *Hook) undo(containerID string, id Identity, done []Admitted, uncertain bool, uncertainDev int) {
 	ctx, cancel := context.WithTimeout(context.Background(), h.rollback)
 	defer cancel()
 	for i := len(done) - 1; i >= 0; i-- {
@@ -184,17 +169,19 @@ func (h *Hook) undo(containerID string, done []Admitted, uncertain bool, uncerta
 		}
 	}
 	if uncertain {
-		if _, err := h.release(ctx, uncertainDev, containerID); err != nil {
+		ours := func(in api.Instance) bool { return in.PID == id.Pid && in.StartTime == id.StartTime }
+		if _, err := h.release(ctx, uncertainDev, containerID, ours); err != nil {
 			fmt.Fprintf(h.log, "mgpu: rollback: device %d: %v\n", uncertainDev, err)
 		}
 	}
 }
 
-// release destroys the instances of containerID on device index whose init
-// process is gone; it returns the names released. An instance whose init
-// still runs belongs to another live container with the same id and is
-// kept.
-func (h *Hook) release(ctx context.Context, index int, containerID string) ([]string, error) {
+// release destroys the instances of containerID on device index that ours
+// says belong to this container, and returns the names released. Any other
+// instance with this container id belongs to another live container with
+// the same id (e.g. the same name in another containerd namespace) and is
+// kept, with an error that says so.
+func (h *Hook) release(ctx context.Context, index int, containerID string, ours func(api.Instance) bool) ([]string, error) {
 	e := h.connect(index)
 	insts, err := e.List(ctx)
 	if err != nil {
@@ -205,7 +192,7 @@ func (h *Hook) release(ctx context.Context, index int, containerID string) ([]st
 		if in.ContainerID != containerID || in.Kind == api.KindProcessTree {
 			continue
 		}
-		if h.proc.Alive(in.PID, in.StartTime) {
+		if !ours(in) {
 			return names, fmt.Errorf("instance %s of container %q kept: its init (pid %d) still runs, so it belongs to another container with the same id", in.Name, containerID, in.PID)
 		}
 		if _, err := e.Destroy(ctx, in.Name); err != nil {
@@ -239,10 +226,15 @@ func (h *Hook) Destroy(ctx context.Context, st *oci.State) ([]string, []error) {
 		idx = append(idx, i)
 	}
 	sort.Ints(idx)
+	// At poststop the container's processes are gone: its instances are
+	// those whose init has exited (or is the state's pid).
+	ours := func(in api.Instance) bool {
+		return (st.Pid > 0 && in.PID == st.Pid) || !h.proc.Alive(in.PID, in.StartTime)
+	}
 	var released []string
 	var errs []error
 	for _, i := range idx {
-		names, err := h.release(ctx, i, st.ID)
+		names, err := h.release(ctx, i, st.ID, ours)
 		released = append(released, names...)
 		if err != nil {
 			if errors.Is(err, api.ErrNotRunning) && !devs[i] {

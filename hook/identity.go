@@ -156,7 +156,7 @@ func ParseStat(data []byte) (state byte, startTime uint64, err error) {
 	if len(fields) <= idx {
 		return 0, 0, fmt.Errorf("%d fields after the command name, want at least %d", len(fields), idx+1)
 	}
-	if len(fields[0]) != 1 {
+	if c := fields[0][0]; len(fields[0]) != 1 || !(c >= 'A' && c <= 'Z' || c >= 'a' && c <= 'z') {
 		return 0, 0, fmt.Errorf("state %q is not one letter", fields[0])
 	}
 	v, err := strconv.ParseUint(fields[idx], 10, 64)
