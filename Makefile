@@ -42,3 +42,25 @@ demo: build
 
 clean:
 	rm -rf $(BUILD)
+
+# package: build/dist/mgpu_<version>_<arch>.deb and mgpu-<version>-1.<arch>.rpm
+# with nfpm (installed into $(CACHE_DIR)/bin when missing). PKG_VERSION comes
+# from VERSION (git describe) through packaging/scripts/pkg-version.sh;
+# `make package VERSION=0.0.2` builds that version.
+NFPM_VERSION ?= v2.48.0
+NFPM         := $(CACHE_DIR)/bin/nfpm
+PKG_VERSION  ?= $(shell packaging/scripts/pkg-version.sh "$(VERSION)")
+PKG_ARCH     ?= $(shell $(GO) env GOARCH)
+DIST         := $(BUILD)/dist
+
+package: build
+	@test -x $(NFPM) || { echo "package: installing nfpm $(NFPM_VERSION) into $(CACHE_DIR)/bin"; \
+	  mkdir -p $(CACHE_DIR)/bin && cd /tmp && GOBIN=$(CACHE_DIR)/bin GOFLAGS=-buildvcs=false \
+	  $(GO) install github.com/goreleaser/nfpm/v2/cmd/nfpm@$(NFPM_VERSION); }
+	@test -n "$(PKG_VERSION)" || { echo "package: no package version (see packaging/scripts/pkg-version.sh)"; exit 1; }
+	packaging/scripts/stage.sh $(BUILD) $(BUILD)/pkg
+	mkdir -p $(DIST)
+	@set -e; for p in deb rpm; do \
+	  MGPU_PKG_VERSION=$(PKG_VERSION) MGPU_PKG_ARCH=$(PKG_ARCH) \
+	    $(NFPM) package --config packaging/nfpm.yaml --packager $$p --target $(DIST)/; \
+	done

@@ -1,0 +1,59 @@
+#!/bin/sh
+# mgpu package: after install or upgrade (deb postinst, rpm %post).
+#   deb: configure <old-version, empty on first install> | abort-upgrade | ...
+#   rpm: 1 (install) | 2 (upgrade)
+# Regenerates the CDI spec and (re)starts the enforcers of the GPUs present.
+# An upgrade restarts running enforcers in place: each restores its instances
+# from /var/lib/mgpu/gpuX and the regions under /run/mgpu stay, so running
+# containers keep their quotas. Never touches an engine's configuration
+# (that is `mgpu-cli runtime configure`). Without a running systemd
+# (chroot, container, image build) it only says what to do later.
+set -e
+
+units="mgpu-enforcers.service mgpu-cdi-refresh.service mgpu-cdi-refresh.path"
+
+first=
+case "$1" in
+configure) [ -n "${2:-}" ] || first=1 ;;
+1) first=1 ;;
+2) ;;
+abort-upgrade | abort-remove | abort-deconfigure) ;;
+*) exit 0 ;;
+esac
+
+if [ ! -d /run/systemd/system ]; then
+	echo "mgpu: systemd is not running here; not starting enforcers or generating the CDI spec."
+	echo "mgpu: on the booted node the units do it (enable them: systemctl preset $units);"
+	echo "mgpu: without systemd run 'mgpu-cli cdi generate' and 'mgpu-enforcer --device N' yourself."
+	exit 0
+fi
+
+systemctl daemon-reload || :
+if [ -n "$first" ]; then
+	# Enable what the preset file (/usr/lib/systemd/system-preset/90-mgpu.preset)
+	# enables, unless the administrator's presets say otherwise.
+	# shellcheck disable=SC2086 # a list of unit names
+	systemctl preset $units || :
+fi
+
+# The spec first: containers started from now on need it. A node without a
+# GPU or driver yet gets it at boot (mgpu-cdi-refresh.path also re-runs it
+# when the driver's modules change).
+if ! systemctl restart mgpu-cdi-refresh.service; then
+	echo "mgpu: warning: the CDI spec was not generated (no GPU or driver yet?): journalctl -u mgpu-cdi-refresh.service" >&2
+fi
+if systemctl is-enabled --quiet mgpu-cdi-refresh.path; then
+	systemctl start mgpu-cdi-refresh.path || :
+fi
+
+# Restart, never stop and purge: a restarted enforcer restores its instances.
+if systemctl is-enabled --quiet mgpu-enforcers.service; then
+	# Restarts the running mgpu-enforcer@N (PartOf=) and starts one per GPU.
+	if ! systemctl restart mgpu-enforcers.service; then
+		echo "mgpu: warning: not every enforcer started (no GPU or driver yet?): journalctl -u mgpu-enforcers.service -u 'mgpu-enforcer@*'" >&2
+	fi
+else
+	# Enforcers enabled one by one (systemctl enable mgpu-enforcer@N).
+	systemctl try-restart 'mgpu-enforcer@*.service' || :
+fi
+exit 0

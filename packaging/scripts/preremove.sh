@@ -1,0 +1,45 @@
+#!/bin/sh
+# mgpu package: before removal (deb prerm, rpm %preun).
+#   deb: remove | upgrade <new-version> | deconfigure | failed-upgrade
+#   rpm: 0 (erase) | 1 (upgrade)
+# On removal: stops and disables the units and removes the generated CDI
+# spec. On upgrade: nothing; the new package's postinst restarts the
+# enforcers, which restore their instances. /etc/mgpu/config.toml and
+# /var/lib/mgpu stay (a deb purge removes them).
+set -e
+
+case "$1" in
+remove | 0) ;;
+*) exit 0 ;;
+esac
+
+if [ -d /run/systemd/system ]; then
+	# Stopping mgpu-enforcers.service stops every mgpu-enforcer@N (PartOf=);
+	# the explicit stop covers enforcers started on their own.
+	systemctl disable --now mgpu-cdi-refresh.path mgpu-cdi-refresh.service mgpu-enforcers.service || :
+	systemctl stop 'mgpu-enforcer@*.service' || :
+	systemctl disable mgpu-enforcer@.service || :
+else
+	echo "mgpu: systemd is not running here; stop any mgpu-enforcer you started yourself."
+fi
+
+# The spec `mgpu-cli cdi generate` wrote: <cdi_spec_dir>/<vendor>-<class>.{yaml,json}
+# from the node configuration (plain `key = "value"` lines; defaults otherwise).
+conf=/etc/mgpu/config.toml
+value() {
+	[ -r "$conf" ] || return 0
+	sed -n "s/^[[:space:]]*$1[[:space:]]*=[[:space:]]*\"\([^\"]*\)\".*/\1/p" "$conf" | head -n 1
+}
+dir=$(value cdi_spec_dir)
+kind=$(value cdi_kind)
+dir=${dir:-/var/run/cdi}
+kind=${kind:-mgpu.io/gpu}
+vendor=${kind%%/*}
+class=${kind#*/}
+for f in "$dir/$vendor-$class.yaml" "$dir/$vendor-$class.json"; do
+	if [ -e "$f" ]; then
+		rm -f "$f"
+		echo "mgpu: removed the CDI spec $f"
+	fi
+done
+exit 0
