@@ -1,0 +1,196 @@
+package hook
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	oci "github.com/opencontainers/runtime-spec/specs-go"
+
+	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/internal/config"
+)
+
+// fakeEnforcer is an in-memory device: it admits everything, and can be
+// told to lose the answer of a create it performed (as a timeout would) or
+// to report another start time than the hook read (a reused pid).
+type fakeEnforcer struct {
+	index     int
+	uuid      string
+	insts     map[string]api.Instance
+	loseReply bool
+	startTime uint64 // 0: the request's process's
+	proc      Proc
+}
+
+func (f *fakeEnforcer) Device(context.Context) (api.DeviceResponse, error) {
+	return api.DeviceResponse{Index: f.index, UUID: f.uuid}, nil
+}
+
+func (f *fakeEnforcer) Create(ctx context.Context, req api.CreateRequest) (api.CreateResponse, error) {
+	st := f.startTime
+	if st == 0 {
+		id, err := f.proc.Identity(req.PID)
+		if err != nil {
+			return api.CreateResponse{}, &api.Error{Status: 400, Message: err.Error()}
+		}
+		st = id.StartTime
+	}
+	in := api.Instance{Name: api.InstanceName(f.index, len(f.insts)), Device: f.index, ContainerID: req.ContainerID,
+		Kind: api.KindContainer, PID: req.PID, StartTime: st, Core: req.Core, MemoryMiB: req.MemoryMiB}
+	f.insts[in.Name] = in
+	if f.loseReply {
+		return api.CreateResponse{}, context.DeadlineExceeded
+	}
+	return api.CreateResponse{Instance: in}, nil
+}
+
+func (f *fakeEnforcer) List(context.Context) ([]api.Instance, error) {
+	var out []api.Instance
+	for _, in := range f.insts {
+		out = append(out, in)
+	}
+	return out, nil
+}
+
+func (f *fakeEnforcer) Destroy(_ context.Context, name string) (api.DestroyResponse, error) {
+	_, ok := f.insts[name]
+	delete(f.insts, name)
+	return api.DestroyResponse{Released: ok, Name: name}, nil
+}
+
+func fakeNode(t *testing.T, n int) (*config.Config, []*fakeEnforcer, Proc, *oci.State) {
+	t.Helper()
+	cfg := config.Default()
+	cfg.RunDir = "/run/mgpu-test"
+	proc := fakeProc(t, 100, statLine(100, 'S', 777), "0::/c\n", "pid:[4026532001]", "pid:[4026531836]")
+	var fakes []*fakeEnforcer
+	spec := oci.Spec{Process: &oci.Process{Env: []string{"MGPU_CORE=25", "MGPU_MEMORY=512"}}}
+	for i := 0; i < n; i++ {
+		uuid := "GPU-" + string(rune('a'+i))
+		fakes = append(fakes, &fakeEnforcer{index: i, uuid: uuid, insts: map[string]api.Instance{}, proc: proc})
+		spec.Process.Env = append(spec.Process.Env, "MGPU_DEVICE_"+string(rune('0'+i))+"="+uuid)
+		d := filepath.Join(cfg.DeviceRunDir(i), "client")
+		spec.Mounts = append(spec.Mounts, oci.Mount{Source: d, Destination: d})
+	}
+	bundle := t.TempDir()
+	b, _ := json.Marshal(spec)
+	if err := os.WriteFile(filepath.Join(bundle, "config.json"), b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return cfg, fakes, proc, &oci.State{ID: "c1", Pid: 100, Bundle: bundle}
+}
+
+func TestCreateRollsBackAnUncertainCreate(t *testing.T) {
+	t.Parallel()
+	cfg, fakes, proc, st := fakeNode(t, 3)
+	fakes[1].loseReply = true
+	h := New(cfg, WithProc(proc), WithEnforcers(func(i int) Enforcer { return fakes[i] }))
+	_, err := h.Create(context.Background(), st)
+	if err == nil || !strings.HasPrefix(err.Error(), "device 1: the enforcer did not answer in time") {
+		t.Fatalf("got %v", err)
+	}
+	for i, f := range fakes {
+		if len(f.insts) != 0 {
+			t.Fatalf("device %d kept %v", i, f.insts)
+		}
+	}
+}
+
+func TestCreateDetectsAReusedPid(t *testing.T) {
+	t.Parallel()
+	cfg, fakes, proc, st := fakeNode(t, 2)
+	fakes[1].startTime = 778 // the enforcer saw another process with pid 100
+	h := New(cfg, WithProc(proc), WithEnforcers(func(i int) Enforcer { return fakes[i] }))
+	_, err := h.Create(context.Background(), st)
+	if err == nil || !strings.Contains(err.Error(), "init pid 100 changed while it was admitted") {
+		t.Fatalf("got %v", err)
+	}
+	for i, f := range fakes {
+		if len(f.insts) != 0 {
+			t.Fatalf("device %d kept %v", i, f.insts)
+		}
+	}
+}
+
+func TestCreateChecksTheDeviceUUID(t *testing.T) {
+	t.Parallel()
+	cfg, fakes, proc, st := fakeNode(t, 2)
+	fakes[1].uuid = "GPU-other"
+	h := New(cfg, WithProc(proc), WithEnforcers(func(i int) Enforcer { return fakes[i] }))
+	_, err := h.Create(context.Background(), st)
+	want := "the CDI spec says GPU 1 is GPU-b but device 1 is GPU-other; regenerate the CDI spec (mgpu-cli cdi generate)"
+	if err == nil || err.Error() != want {
+		t.Fatalf("got %v, want %q", err, want)
+	}
+	if len(fakes[0].insts)+len(fakes[1].insts) != 0 {
+		t.Fatal("instances kept")
+	}
+}
+
+func TestCreateSameQuotaOnEveryDevice(t *testing.T) {
+	t.Parallel()
+	cfg, fakes, proc, st := fakeNode(t, 3)
+	h := New(cfg, WithProc(proc), WithEnforcers(func(i int) Enforcer { return fakes[i] }))
+	got, err := h.Create(context.Background(), st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 3 {
+		t.Fatalf("admitted %v", got)
+	}
+	for i, a := range got {
+		if a.Device != i || a.Instance.Core != 25 || a.Instance.MemoryMiB != 512 || a.Instance.ContainerID != "c1" {
+			t.Fatalf("admitted %+v", a)
+		}
+	}
+	// poststop: the init is gone from the process table.
+	if err := os.RemoveAll(filepath.Join(proc.Root, "100")); err != nil {
+		t.Fatal(err)
+	}
+	released, errs := h.Destroy(context.Background(), &oci.State{ID: "c1", Bundle: st.Bundle})
+	if len(errs) != 0 || len(released) != 3 {
+		t.Fatalf("released %v, errors %v", released, errs)
+	}
+}
+
+func TestMainTimesOutOnSilentStdin(t *testing.T) {
+	t.Parallel()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.Close(); _ = w.Close() })
+	var out, errb strings.Builder
+	start := time.Now()
+	rc := Main([]string{"mgpu-hook", "--timeout", "200ms", "create"}, r, &out, &errb)
+	if rc != exitRefused || !strings.HasPrefix(errb.String(), "mgpu: no OCI state on stdin within the timeout") {
+		t.Fatalf("rc %d, stderr %q", rc, errb.String())
+	}
+	if took := time.Since(start); took > 2*time.Second {
+		t.Fatalf("took %v", took)
+	}
+	errb.Reset()
+	if rc := Main([]string{"mgpu-hook", "--timeout", "200ms", "destroy"}, r, &out, &errb); rc != 0 || !strings.HasPrefix(errb.String(), "mgpu: destroy: no OCI state") {
+		t.Fatalf("destroy: rc %d, stderr %q", rc, errb.String())
+	}
+}
+
+func TestMainUsage(t *testing.T) {
+	t.Parallel()
+	for _, args := range [][]string{{}, {"frob"}, {"--nope", "create"}, {"--timeout", "0s", "create"}} {
+		var out, errb strings.Builder
+		rc := Main(append([]string{"mgpu-hook"}, args...), strings.NewReader(""), &out, &errb)
+		if rc != exitUsage || !strings.HasPrefix(errb.String(), "mgpu: ") || strings.Count(errb.String(), "\n") != 1 {
+			t.Errorf("%v: rc %d, stderr %q", args, rc, errb.String())
+		}
+	}
+	var out, errb strings.Builder
+	if rc := Main([]string{"mgpu-hook", "--help"}, strings.NewReader(""), &out, &errb); rc != 0 || !strings.Contains(out.String(), "createRuntime") {
+		t.Fatalf("--help: rc %d, %q", rc, out.String())
+	}
+}
