@@ -61,6 +61,6 @@ package: build
 	packaging/scripts/stage.sh $(BUILD) $(BUILD)/pkg
 	mkdir -p $(DIST)
 	@set -e; for p in deb rpm; do \
-	  MGPU_PKG_VERSION=$(PKG_VERSION) MGPU_PKG_ARCH=$(PKG_ARCH) \
-	    $(NFPM) package --config packaging/nfpm.yaml --packager $$p --target $(DIST)/; \
+	  (cd $(BUILD)/pkg && MGPU_PKG_VERSION=$(PKG_VERSION) MGPU_PKG_ARCH=$(PKG_ARCH) \
+	    $(NFPM) package --config $(CURDIR)/packaging/nfpm.yaml --packager $$p --target $(DIST)/); \
 	done

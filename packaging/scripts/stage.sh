@@ -1,8 +1,10 @@
 #!/bin/sh
 # stage.sh BUILD STAGE: checks that `make build` produced everything the
-# packages ship and writes the generated files that nfpm.yaml packs from
-# STAGE (build/pkg): the shim's preload file, the engine examples and the
-# Debian copyright file. Run by `make package` from the repository root.
+# packages ship and gathers it into STAGE ($(BUILD)/pkg), the directory
+# nfpm runs in (packaging/nfpm.yaml names files relative to it): the build's
+# binaries and shim, the repository's units, scripts, config and docs, and
+# the generated files (the shim's preload file, the engine examples, the
+# Debian copyright file). Run by `make package` from the repository root.
 set -eu
 
 build=${1:?usage: stage.sh BUILD STAGE}
@@ -19,7 +21,14 @@ if [ -n "$missing" ]; then
 fi
 
 rm -rf "$stage"
-mkdir -p "$stage/examples"
+mkdir -p "$stage/bin" "$stage/lib" "$stage/examples" "$stage/doc/docs"
+for f in mgpu-cli mgpu-enforcer mgpu-hook; do
+	cp "$build/bin/$f" "$stage/bin/"
+done
+cp "$build/lib/libmgpu-shim.so" "$stage/lib/"
+cp -R packaging/systemd packaging/scripts packaging/config "$stage/"
+cp README.md LICENSE "$stage/doc/"
+cp docs/*.md "$stage/doc/docs/"
 
 # The CDI spec bind-mounts this file at /etc/ld.so.preload in containers
 # (cdi.PreloadPath/PreloadContent): the shim's absolute path and a newline.
