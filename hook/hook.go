@@ -273,7 +273,14 @@ func deviceErr(index int, err error) error {
 		return fmt.Errorf("device %d: %w; start it (systemctl start mgpu-enforcer@%d)", index, err, index)
 	}
 	if errors.Is(err, context.DeadlineExceeded) {
-		return fmt.Errorf("device %d: the enforcer did not answer in time (%w); check mgpu-enforcer@%d", index, err, index)
+		return &timeoutError{fmt.Sprintf("device %d: the enforcer did not answer in time (mgpu-hook --timeout); check mgpu-enforcer@%d", index, index)}
 	}
 	return fmt.Errorf("device %d: %w", index, err)
 }
+
+// timeoutError is an enforcer call that ran out of time; it is
+// context.DeadlineExceeded.
+type timeoutError struct{ msg string }
+
+func (e *timeoutError) Error() string { return e.msg }
+func (e *timeoutError) Unwrap() error { return context.DeadlineExceeded }

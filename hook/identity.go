@@ -156,7 +156,7 @@ func ParseStat(data []byte) (state byte, startTime uint64, err error) {
 	if len(fields) <= idx {
 		return 0, 0, fmt.Errorf("%d fields after the command name, want at least %d", len(fields), idx+1)
 	}
-	if c := fields[0][0]; len(fields[0]) != 1 || !(c >= 'A' && c <= 'Z' || c >= 'a' && c <= 'z') {
+	if len(fields[0]) != 1 || !isLetter(fields[0][0]) {
 		return 0, 0, fmt.Errorf("state %q is not one letter", fields[0])
 	}
 	v, err := strconv.ParseUint(fields[idx], 10, 64)
@@ -229,3 +229,5 @@ func ParseCgroup(data []byte) (string, error) {
 	}
 	return "", errors.New("no cgroup entries")
 }
+
+func isLetter(c byte) bool { return c >= 'A' && c <= 'Z' || c >= 'a' && c <= 'z' }

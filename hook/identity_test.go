@@ -213,7 +213,7 @@ func FuzzParseStat(f *testing.F) {
 			return
 		}
 		after := string(data[strings.LastIndexByte(string(data), ')')+1:])
-		if !strings.Contains(after, strconv.FormatUint(st, 10)) || strings.IndexByte(after, state) < 0 || !(state >= 'A' && state <= 'Z' || state >= 'a' && state <= 'z') {
+		if !strings.Contains(after, strconv.FormatUint(st, 10)) || strings.IndexByte(after, state) < 0 || !isLetter(state) {
 			t.Fatalf("state %q start time %d are not in %q", state, st, after)
 		}
 	})

@@ -357,7 +357,7 @@ func TestCreateBounded(t *testing.T) {
 	start := time.Now()
 	rc, stderr = n.run(t, c, "--timeout", "700ms", "create")
 	took := time.Since(start)
-	t.Logf("create against a silent enforcer gave up after %v", took)
+	t.Logf("create against a silent enforcer gave up after %v: %s", took, stderr)
 	if rc == 0 || !strings.HasPrefix(stderr, "mgpu: device 1: the enforcer did not answer in time") || strings.Count(stderr, "\n") != 1 {
 		t.Fatalf("rc %d, stderr %q", rc, stderr)
 	}

@@ -65,7 +65,7 @@ func ValidateID(id string) error {
 		switch {
 		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '_', c == '+', c == '-', c == '.':
 		default:
-			return fmt.Errorf("container id %q has a character other than letters, digits and _+-.", id)
+			return fmt.Errorf("container id %q has a character other than letters, digits and \"_+-.\"", id)
 		}
 	}
 	return nil
@@ -78,7 +78,7 @@ func LoadBundle(bundle string) (*oci.Spec, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read the container's config: %w", err)
 	}
-	defer f.Close()
+	defer func() { _ = f.Close() }()
 	data, err := readBounded(f, MaxConfigBytes)
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", path, err)
