@@ -179,6 +179,16 @@ func (n *Node) StopEnforcer(dev int, sig syscall.Signal) error {
 	})
 }
 
+// EnforcerPID returns the pid of device dev's enforcer (0 if none runs).
+func (n *Node) EnforcerPID(dev int) int {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if c := n.enforcers[dev]; c != nil && c.Process != nil {
+		return c.Process.Pid
+	}
+	return 0
+}
+
 // ControlSocket is device dev's control socket.
 func (n *Node) ControlSocket(dev int) string {
 	return api.ControlSocket(filepath.Join(n.RunDir, fmt.Sprintf("gpu%d", dev)))

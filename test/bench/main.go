@@ -1,0 +1,568 @@
+// Command mgpu-bench is `make bench`: it measures mgpu on a simulated node,
+// always side by side in one run (with and without the shim, interleaved),
+// and prints one `BENCH <name> <value> <unit>` line per measurement followed
+// by a readable table. It reports what it measured; targets are printed
+// beside the values, never substituted for them.
+package main
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/mgpu-dev/mgpu/enforcer/arbiter"
+	"github.com/mgpu-dev/mgpu/internal/policy"
+	"github.com/mgpu-dev/mgpu/test/harness"
+)
+
+type row struct {
+	name   string
+	value  float64
+	unit   string
+	target string
+}
+
+type bench struct {
+	out    io.Writer
+	rows   []row
+	rounds int
+	window time.Duration
+}
+
+func (b *bench) report(name string, value float64, unit, target string) {
+	b.rows = append(b.rows, row{name, value, unit, target})
+	fmt.Fprintf(b.out, "BENCH %s %.6g %s\n", name, value, unit)
+}
+
+func main() {
+	only := flag.String("only", "", "comma-separated sections to run (arbiter,launch,alloc,start,share,reclaim,cpu); default all")
+	rounds := flag.Int("rounds", 5, "interleaved rounds per side-by-side measurement")
+	win := flag.Duration("window", 4*time.Second, "measurement window of each share case")
+	flag.Parse()
+	b := &bench{out: os.Stdout, rounds: *rounds, window: *win}
+	sections := []struct {
+		name string
+		fn   func() error
+	}{
+		{"arbiter", b.arbiterCost},
+		{"launch", b.launchOverhead},
+		{"alloc", b.allocOverhead},
+		{"start", b.processStart},
+		{"share", b.shareError},
+		{"reclaim", b.reclaim},
+		{"cpu", b.enforcerCPU},
+	}
+	want := map[string]bool{}
+	for _, s := range strings.Split(*only, ",") {
+		if s != "" {
+			want[s] = true
+		}
+	}
+	failed := false
+	for _, s := range sections {
+		if len(want) > 0 && !want[s.name] {
+			continue
+		}
+		if err := s.fn(); err != nil {
+			fmt.Fprintf(os.Stderr, "mgpu-bench: %s: %v\n", s.name, err)
+			failed = true
+		}
+	}
+	b.table()
+	if failed {
+		os.Exit(1)
+	}
+}
+
+func (b *bench) table() {
+	fmt.Fprintf(b.out, "\n%-44s %14s  %-12s %s\n", "measurement", "value", "unit", "target")
+	for _, r := range b.rows {
+		fmt.Fprintf(b.out, "%-44s %14.2f  %-12s %s\n", r.name, r.value, r.unit, r.target)
+	}
+}
+
+// arbiterCost times the arbiter's decision for 16 and 64 saturating
+// instances (one Tick per simulated millisecond).
+func (b *bench) arbiterCost() error {
+	for _, n := range []int{16, 64} {
+		a := arbiter.New(arbiter.Config{Policy: policy.FixedShare})
+		usage := make(map[int]arbiter.Usage, n)
+		for i := 0; i < n; i++ {
+			a.Add(i, max(1, 100/n))
+		}
+		const ticks = 200000
+		var gpu time.Duration
+		start := time.Now()
+		for t := 1; t <= ticks; t++ {
+			now := time.Duration(t) * time.Millisecond
+			for i := 0; i < n; i++ {
+				u := usage[i]
+				u.Waiting = true
+				u.Launches++
+				usage[i] = u
+			}
+			if h, ok := a.Holder(); ok {
+				u := usage[h]
+				gpu += time.Millisecond
+				u.GPUTime = gpu
+				usage[h] = u
+			}
+			a.Tick(now, usage)
+		}
+		per := float64(time.Since(start).Nanoseconds()) / ticks
+		b.report(fmt.Sprintf("arbiter_tick_%d_instances", n), per, "ns/tick", "(runs once per 1 ms tick)")
+	}
+	return nil
+}
+
+// workloadRun runs mgpu-workload with env and returns its output.
+func workloadRun(n *harness.Node, env []string, args ...string) (string, error) {
+	cmd := exec.Command(n.Paths.Workload, args...)
+	cmd.Env = env
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return string(out), fmt.Errorf("mgpu-workload %v: %w: %s", args, err, out)
+	}
+	return string(out), nil
+}
+
+func field(out, key string) (float64, error) {
+	m := regexp.MustCompile(`(?m)\b` + regexp.QuoteMeta(key) + `=([0-9.]+)`).FindStringSubmatch(out)
+	if m == nil {
+		return 0, fmt.Errorf("no %s in %q", key, out)
+	}
+	return strconv.ParseFloat(m[1], 64)
+}
+
+func median(v []float64) float64 {
+	s := append([]float64(nil), v...)
+	sort.Float64s(s)
+	if len(s) == 0 {
+		return 0
+	}
+	return s[len(s)/2]
+}
+
+// sideBySide measures f(withShim) alternately, rounds times each, and
+// returns the medians without and with the shim.
+func (b *bench) sideBySide(f func(shim bool) (float64, error)) (float64, float64, error) {
+	var off, on []float64
+	for r := 0; r < b.rounds; r++ {
+		for _, shim := range []bool{false, true} {
+			v, err := f(shim)
+			if err != nil {
+				return 0, 0, err
+			}
+			if shim {
+				on = append(on, v)
+			} else {
+				off = append(off, v)
+			}
+		}
+	}
+	return median(off), median(on), nil
+}
+
+// shimNode is a node with one enforcer and one instance shell holding the
+// whole device, in which the shim side of a measurement runs.
+func shimNode() (*harness.Node, *harness.Shell, error) {
+	n, err := harness.NewNode(harness.NodeConfig{})
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := n.StartEnforcer(0); err != nil {
+		_ = n.Close()
+		return nil, nil, err
+	}
+	sh, err := n.Shell(0, 100, 65536)
+	if err != nil {
+		_ = n.Close()
+		return nil, nil, err
+	}
+	return n, sh, nil
+}
+
+// runIn runs the workload inside the shell's instance (shim) or outside it
+// without the shim, and returns its output.
+func runIn(n *harness.Node, sh *harness.Shell, shim bool, args ...string) (string, error) {
+	if !shim {
+		return workloadRun(n, n.Env(), args...)
+	}
+	p, err := sh.Spawn(args...)
+	if err != nil {
+		return "", err
+	}
+	if err := p.WaitExit(2 * time.Minute); err != nil {
+		return "", err
+	}
+	return p.Output(), nil
+}
+
+func (b *bench) launchOverhead() error {
+	n, sh, err := shimNode()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = n.Close() }()
+	off, on, err := b.sideBySide(func(shim bool) (float64, error) {
+		out, err := runIn(n, sh, shim, "bench-launch", "--n", "200000")
+		if err != nil {
+			return 0, err
+		}
+		return field(out, "ns_per_launch")
+	})
+	if err != nil {
+		return err
+	}
+	b.report("launch_no_shim", off, "ns/launch", "")
+	b.report("launch_shim", on, "ns/launch", "")
+	b.report("launch_overhead", on-off, "ns/launch", "<= 50")
+	return nil
+}
+
+func (b *bench) allocOverhead() error {
+	n, sh, err := shimNode()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = n.Close() }()
+	for _, procs := range []int{1, 8} {
+		off, on, err := b.sideBySide(func(shim bool) (float64, error) {
+			outs := make([]string, procs)
+			errs := make([]error, procs)
+			var wg sync.WaitGroup
+			for i := 0; i < procs; i++ {
+				wg.Add(1)
+				go func(i int) {
+					defer wg.Done()
+					outs[i], errs[i] = runIn(n, sh, shim, "bench-alloc", "--n", "100000", "--bytes", "1048576")
+				}(i)
+			}
+			wg.Wait()
+			var vals []float64
+			for i := range outs {
+				if errs[i] != nil {
+					return 0, errs[i]
+				}
+				v, err := field(outs[i], "ns_per_alloc")
+				if err != nil {
+					return 0, err
+				}
+				vals = append(vals, v)
+			}
+			return median(vals), nil
+		})
+		if err != nil {
+			return err
+		}
+		b.report(fmt.Sprintf("alloc_no_shim_%dproc", procs), off, "ns/alloc", "")
+		b.report(fmt.Sprintf("alloc_shim_%dproc", procs), on, "ns/alloc", "")
+		b.report(fmt.Sprintf("alloc_overhead_%dproc", procs), on-off, "ns/alloc", "<= 1000")
+	}
+	return nil
+}
+
+// processStart measures what the shim adds to a process's start: a process
+// that never calls CUDA (/bin/true), and a CUDA process (mgpu-workload info:
+// initialisation, attach, a query), alone and 64 at once.
+func (b *bench) processStart() error {
+	n, sh, err := shimNode()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = n.Close() }()
+	timeOne := func(env []string, path string, args ...string) (float64, error) {
+		cmd := exec.Command(path, args...)
+		cmd.Env = env
+		t0 := time.Now()
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return 0, fmt.Errorf("%s: %w: %s", path, err, out)
+		}
+		return float64(time.Since(t0).Nanoseconds()), nil
+	}
+	// /bin/true: preloading the shim must cost nothing measurable.
+	off, on, err := b.sideBySide(func(shim bool) (float64, error) {
+		env := n.Env()
+		if shim {
+			env = n.ShimEnv(0)
+		}
+		var v []float64
+		for i := 0; i < 20; i++ {
+			d, err := timeOne(env, "/bin/true")
+			if err != nil {
+				return 0, err
+			}
+			v = append(v, d)
+		}
+		return median(v), nil
+	})
+	if err != nil {
+		return err
+	}
+	b.report("start_true_no_shim", off/1e6, "ms", "")
+	b.report("start_true_shim", on/1e6, "ms", "")
+	b.report("start_true_overhead", (on-off)/1e3, "us", "~0 (no work at load)")
+	for _, procs := range []int{1, 64} {
+		off, on, err := b.sideBySide(func(shim bool) (float64, error) {
+			times := make([]float64, procs)
+			errs := make([]error, procs)
+			var wg sync.WaitGroup
+			for i := 0; i < procs; i++ {
+				wg.Add(1)
+				go func(i int) {
+					defer wg.Done()
+					if !shim {
+						times[i], errs[i] = timeOne(n.Env(), n.Paths.Workload, "info")
+						return
+					}
+					t0 := time.Now()
+					_, errs[i] = runIn(n, sh, true, "info")
+					times[i] = float64(time.Since(t0).Nanoseconds())
+				}(i)
+			}
+			wg.Wait()
+			for _, e := range errs {
+				if e != nil {
+					return 0, e
+				}
+			}
+			return median(times), nil
+		})
+		if err != nil {
+			return err
+		}
+		b.report(fmt.Sprintf("start_cuda_no_shim_%dproc", procs), off/1e6, "ms", "")
+		b.report(fmt.Sprintf("start_cuda_shim_%dproc", procs), on/1e6, "ms", "")
+		b.report(fmt.Sprintf("attach_%dproc", procs), (on-off)/1e6, "ms/process", "<= 5")
+	}
+	return nil
+}
+
+// splits are the cores of the share cases: n instances saturating one GPU.
+var splits = map[int][]int{2: {30, 70}, 3: {20, 30, 50}, 4: {10, 20, 30, 40}, 8: {5, 5, 10, 10, 15, 15, 20, 20}}
+
+func (b *bench) shareError() error {
+	for _, p := range []policy.Policy{policy.FixedShare, policy.GuaranteedBurstShare, policy.NativeBurstShare} {
+		for _, k := range []int{2, 3, 4, 8} {
+			cores := splits[k]
+			worst, err := b.shareCase(p, cores)
+			if err != nil {
+				return err
+			}
+			b.report(fmt.Sprintf("share_error_%s_%d", p, k), worst, "points", "<= 2")
+		}
+	}
+	return nil
+}
+
+// shareCase runs saturating workloads with the given cores and returns the
+// largest |achieved − target| in points. Targets: fixed and guaranteed, the
+// core (Σ = 100); native, core/Σcore.
+func (b *bench) shareCase(p policy.Policy, cores []int) (float64, error) {
+	n, err := harness.NewNode(harness.NodeConfig{Policies: map[int]policy.Policy{0: p}})
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = n.Close() }()
+	if err := n.StartEnforcer(0); err != nil {
+		return 0, err
+	}
+	secs := (b.window + 4*time.Second).Seconds()
+	jobs := make([]*harness.Job, len(cores))
+	sum := 0
+	for i, c := range cores {
+		sum += c
+		j, err := n.Start(harness.RunSpec{Device: 0, Core: c, MemoryMiB: 1024,
+			Args: []string{"compute", "--api", "launch", "--kernel-us", "200", "--depth", "16", "--seconds", fmt.Sprintf("%.1f", secs)}})
+		if err != nil {
+			return 0, err
+		}
+		jobs[i] = j
+	}
+	if err := waitStarted(jobs); err != nil {
+		return 0, err
+	}
+	time.Sleep(time.Second) // settle; the window below is the measurement
+	pids := make([]map[int]bool, len(jobs))
+	for i, j := range jobs {
+		pids[i] = j.Pids()
+	}
+	a, err := n.Sample()
+	if err != nil {
+		return 0, err
+	}
+	time.Sleep(b.window)
+	z, err := n.Sample()
+	if err != nil {
+		return 0, err
+	}
+	worst := 0.0
+	for i, c := range cores {
+		target := float64(c)
+		if p == policy.NativeBurstShare {
+			target = 100 * float64(c) / float64(sum)
+		}
+		e := harness.Share(a, z, 0, pids[i]) - target
+		if e < 0 {
+			e = -e
+		}
+		worst = max(worst, e)
+	}
+	return worst, nil
+}
+
+func waitStarted(jobs []*harness.Job) error {
+	for _, j := range jobs {
+		if err := harness.WaitFor(20*time.Second, func() error {
+			if strings.Contains(j.Output(), "start") {
+				return nil
+			}
+			select {
+			case <-j.Done():
+				return fmt.Errorf("workload exited: %s", j.Output())
+			default:
+				return fmt.Errorf("workload not started")
+			}
+		}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// reclaim: guaranteed-burst 30/70 with the 70 idle; the time from the 70's
+// first launch until its share over the last 20 ms reaches 68 %.
+func (b *bench) reclaim() error {
+	var vals []float64
+	for r := 0; r < 3; r++ {
+		v, err := reclaimOnce()
+		if err != nil {
+			return err
+		}
+		vals = append(vals, v)
+	}
+	b.report("reclaim_idle_to_busy", median(vals), "ms", "<= 100 (goal 50)")
+	return nil
+}
+
+func reclaimOnce() (float64, error) {
+	n, err := harness.NewNode(harness.NodeConfig{Policies: map[int]policy.Policy{0: policy.GuaranteedBurstShare}})
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = n.Close() }()
+	if err := n.StartEnforcer(0); err != nil {
+		return 0, err
+	}
+	a, err := n.Start(harness.RunSpec{Device: 0, Core: 30, MemoryMiB: 1024,
+		Args: []string{"compute", "--api", "launch", "--kernel-us", "100", "--depth", "16", "--seconds", "8"}})
+	if err != nil {
+		return 0, err
+	}
+	bj, err := n.Start(harness.RunSpec{Device: 0, Core: 70, MemoryMiB: 1024,
+		Args: []string{"compute", "--api", "launch", "--kernel-us", "100", "--depth", "16", "--seconds", "4", "--idle-ms", "2000"}})
+	if err != nil {
+		return 0, err
+	}
+	if err := waitStarted([]*harness.Job{a}); err != nil {
+		return 0, err
+	}
+	if err := harness.WaitFor(20*time.Second, func() error {
+		if strings.Contains(bj.Output(), "start") {
+			return nil
+		}
+		return fmt.Errorf("the 70 has not resumed")
+	}); err != nil {
+		return 0, err
+	}
+	resumed := time.Now()
+	pids := bj.Pids()
+	var hist []harness.Sample
+	for time.Since(resumed) < 2*time.Second {
+		s, err := n.Sample()
+		if err != nil {
+			return 0, err
+		}
+		hist = append(hist, s)
+		for i := len(hist) - 2; i >= 0; i-- {
+			if s.At.Sub(hist[i].At) >= 20*time.Millisecond {
+				if harness.Share(hist[i], s, 0, pids) >= 68 {
+					return float64(s.At.Sub(resumed).Microseconds()) / 1000, nil
+				}
+				break
+			}
+		}
+	}
+	return 0, fmt.Errorf("the 70 never reached 68%% within 2 s of resuming")
+}
+
+// enforcerCPU: the enforcer's CPU use idle (no instance) and with 16 busy
+// instances, from /proc/<pid>/stat over a window.
+func (b *bench) enforcerCPU() error {
+	n, err := harness.NewNode(harness.NodeConfig{MaxInstances: 16})
+	if err != nil {
+		return err
+	}
+	defer func() { _ = n.Close() }()
+	if err := n.StartEnforcer(0); err != nil {
+		return err
+	}
+	idle, err := cpuOver(n.EnforcerPID(0), 3*time.Second)
+	if err != nil {
+		return err
+	}
+	b.report("enforcer_cpu_idle", idle, "% of a core", "")
+	jobs := make([]*harness.Job, 16)
+	for i := range jobs {
+		j, err := n.Start(harness.RunSpec{Device: 0, Core: 6, MemoryMiB: 1024,
+			Args: []string{"compute", "--api", "launch", "--kernel-us", "500", "--depth", "4", "--seconds", "12"}})
+		if err != nil {
+			return err
+		}
+		jobs[i] = j
+	}
+	if err := waitStarted(jobs); err != nil {
+		return err
+	}
+	busy, err := cpuOver(n.EnforcerPID(0), 5*time.Second)
+	if err != nil {
+		return err
+	}
+	b.report("enforcer_cpu_16_busy", busy, "% of a core", "")
+	return nil
+}
+
+func cpuOver(pid int, d time.Duration) (float64, error) {
+	ticks := func() (float64, error) {
+		raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return 0, err
+		}
+		s := string(raw)
+		f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+		u, _ := strconv.ParseFloat(f[11], 64)
+		k, _ := strconv.ParseFloat(f[12], 64)
+		return u + k, nil
+	}
+	t0, err := ticks()
+	if err != nil {
+		return 0, err
+	}
+	start := time.Now()
+	time.Sleep(d)
+	t1, err := ticks()
+	if err != nil {
+		return 0, err
+	}
+	const hz = 100 // USER_HZ on Linux
+	return 100 * (t1 - t0) / hz / time.Since(start).Seconds(), nil
+}
+
