@@ -1,0 +1,299 @@
+package enforcer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/enforcer/attach"
+	"github.com/mgpu-dev/mgpu/enforcer/region"
+)
+
+// maxAncestors bounds the walk up the process tree.
+const maxAncestors = 1024
+
+// serveAttach accepts attach connections, at most o.maxAttaches at a time.
+func (e *Enforcer) serveAttach(ctx context.Context) {
+	sem := make(chan struct{}, e.o.maxAttaches)
+	for {
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			return
+		}
+		conn, err := e.client.AcceptUnix()
+		if err != nil {
+			<-sem
+			if errors.Is(err, net.ErrClosed) || ctx.Err() != nil {
+				return
+			}
+			e.o.log.Warn("accept on client socket", "err", err)
+			t := time.NewTimer(10 * time.Millisecond) // EMFILE and the like: back off
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+				t.Stop()
+				return
+			}
+			continue
+		}
+		go func() {
+			defer func() { <-sem }()
+			e.handleAttach(conn)
+		}()
+	}
+}
+
+// handleAttach serves one attach: read the request (with a deadline), learn
+// the peer from the kernel, answer with its instance's region or a refusal.
+func (e *Enforcer) handleAttach(conn *net.UnixConn) {
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(e.o.attachTimeout))
+	var buf [attach.RequestSize]byte
+	if _, err := io.ReadFull(conn, buf[:]); err != nil {
+		return // incomplete request: close this connection only
+	}
+	if _, err := attach.DecodeRequest(buf[:]); err != nil {
+		_ = e.reply(conn, attach.Response{Status: attach.BadRequest, Message: "mgpu: " + err.Error()}, -1)
+		return
+	}
+	pid, pidfd, err := peer(conn)
+	if err != nil {
+		_ = e.reply(conn, attach.Response{Status: attach.Internal, Message: "mgpu: cannot identify the caller: " + err.Error()}, -1)
+		return
+	}
+	defer unix.Close(pidfd)
+	resp, fd, in, slot := e.attach(pid, pidfd)
+	if fd < 0 {
+		_ = e.reply(conn, resp, -1)
+		return
+	}
+	err = e.reply(conn, resp, fd)
+	_ = unix.Close(fd)
+	if err != nil {
+		// The caller went away before it got its region: free the slot.
+		e.mu.Lock()
+		if e.byID[in.id] == in {
+			e.reapSlotLocked(in, slot)
+		}
+		e.mu.Unlock()
+		return
+	}
+	e.kickLoop()
+}
+
+func (e *Enforcer) reply(conn *net.UnixConn, r attach.Response, fd int) error {
+	b := r.Marshal()
+	var oob []byte
+	if fd >= 0 {
+		oob = unix.UnixRights(fd)
+	}
+	_, _, err := conn.WriteMsgUnix(b[:], oob, nil)
+	return err
+}
+
+// peer returns the pid of the process that connected (SO_PEERCRED, as the
+// kernel recorded it at connect) and a pidfd of that very process
+// (SO_PEERPIDFD, Linux >= 6.5; pidfd_open of the pid otherwise).
+func peer(conn *net.UnixConn) (int, int, error) {
+	raw, err := conn.SyscallConn()
+	if err != nil {
+		return 0, -1, err
+	}
+	var (
+		cred  *unix.Ucred
+		pidfd = -1
+		cerr  error
+	)
+	err = raw.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) //nolint:gosec // fds fit in int
+		if cerr == nil {
+			if v, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PEERPIDFD); err == nil { //nolint:gosec // fds fit in int
+				pidfd = v
+			}
+		}
+	})
+	if err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return 0, -1, fmt.Errorf("SO_PEERCRED: %w", err)
+	}
+	if cred.Pid <= 0 {
+		return 0, -1, errors.New("the caller's pid is not visible from the enforcer's pid namespace")
+	}
+	if pidfd < 0 {
+		if pidfd, err = unix.PidfdOpen(int(cred.Pid), 0); err != nil {
+			return 0, -1, fmt.Errorf("pidfd_open %d: %w", cred.Pid, err)
+		}
+	}
+	return int(cred.Pid), pidfd, nil
+}
+
+// peerInfo is what /proc says about an attaching process.
+type peerInfo struct {
+	pid       int
+	startTime uint64
+	pidNS     uint64
+	cgroups   []string
+	ancestors []ancestor // the process itself first, then its parent, ...
+}
+
+type ancestor struct {
+	pid       int
+	startTime uint64
+}
+
+func (e *Enforcer) inspect(pid int) (peerInfo, error) {
+	p := peerInfo{pid: pid}
+	st, err := e.o.proc.Stat(pid)
+	if err != nil {
+		return p, err
+	}
+	p.startTime = st.StartTime
+	if p.pidNS, err = e.o.proc.PidNS(pid); err != nil {
+		return p, err
+	}
+	if p.cgroups, err = e.o.proc.Cgroups(pid); err != nil {
+		return p, err
+	}
+	p.ancestors = append(p.ancestors, ancestor{pid, st.StartTime})
+	for next := st.PPID; next > 0 && len(p.ancestors) < maxAncestors; {
+		ast, err := e.o.proc.Stat(next)
+		if err != nil {
+			break
+		}
+		p.ancestors = append(p.ancestors, ancestor{next, ast.StartTime})
+		next = ast.PPID
+	}
+	return p, nil
+}
+
+// matchLocked finds the instance a process belongs to: a container by its
+// pid namespace (when it is not the enforcer's), else a container by
+// cgroup (the deepest that contains the process), else a process tree whose
+// root (pid and start time) is the process or one of its ancestors.
+func (e *Enforcer) matchLocked(p peerInfo) *instance {
+	if p.pidNS != 0 && p.pidNS != e.selfNS {
+		for _, in := range e.list {
+			if in.kind == api.KindContainer && in.pidNS == p.pidNS {
+				return in
+			}
+		}
+	}
+	var best *instance
+	for _, in := range e.list {
+		if in.kind != api.KindContainer || in.cgroup == "" || (best != nil && len(in.cgroup) <= len(best.cgroup)) {
+			continue
+		}
+		for _, cg := range p.cgroups {
+			if cg == in.cgroup || under(cg, in.cgroup) {
+				best = in
+				break
+			}
+		}
+	}
+	if best != nil {
+		return best
+	}
+	for _, a := range p.ancestors {
+		for _, in := range e.list {
+			if in.kind == api.KindProcessTree && in.pid == a.pid && in.startTime == a.startTime {
+				return in
+			}
+		}
+	}
+	return nil
+}
+
+func under(p, base string) bool {
+	return len(p) > len(base) && p[:len(base)] == base && p[len(base)] == '/' && base != "/"
+}
+
+// attach maps a peer to its instance and gives it a slot. On success it
+// returns a duplicate of the region's descriptor (the caller closes it), so
+// that a concurrent release cannot make the reply carry another file.
+func (e *Enforcer) attach(pid, pidfd int) (attach.Response, int, *instance, int) {
+	resp := attach.Response{DeviceIndex: uint32(e.index)} //nolint:gosec // small
+	info, err := e.inspect(pid)
+	if err == nil && exited(pidfd) {
+		err = os.ErrProcessDone
+	}
+	if err != nil {
+		resp.Status = attach.Internal
+		resp.Message = fmt.Sprintf("mgpu: cannot inspect pid %d: %v", pid, err)
+		return resp, -1, nil, 0
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	in := e.matchLocked(info)
+	if in == nil || e.closed {
+		resp.Status = attach.NoInstance
+		resp.Message = fmt.Sprintf("mgpu: pid %d belongs to no mgpu instance on device %d; start it with mgpu-cli run or in a container with --device %s=%d",
+			pid, e.index, e.cfg.CDIKind, e.index)
+		return resp, -1, nil, 0
+	}
+	slot := -1
+	in.forSlots(func(i int) {
+		p := in.reg.Proc(i)
+		if slot < 0 && int(p.PID.Load()) == pid && p.StartTime.Load() == info.startTime {
+			slot = i // the same process attaches again (after exec): start its slot over
+		}
+	})
+	if slot >= 0 {
+		e.reapSlotLocked(in, slot)
+	} else {
+		for i := range region.MaxProcs {
+			if !in.slotUsed(i) {
+				slot = i
+				break
+			}
+		}
+	}
+	if slot < 0 {
+		resp.Status = attach.NoSlot
+		resp.Message = fmt.Sprintf("mgpu: instance %s already has %d processes attached, the most a region holds", in.name, region.MaxProcs)
+		return resp, -1, nil, 0
+	}
+	fd, err := unix.FcntlInt(in.reg.File().Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		resp.Status = attach.Internal
+		resp.Message = "mgpu: " + err.Error()
+		return resp, -1, nil, 0
+	}
+	wfd, err := unix.FcntlInt(uintptr(pidfd), unix.F_DUPFD_CLOEXEC, 0) //nolint:gosec // a valid fd
+	if err != nil {
+		_ = unix.Close(fd)
+		resp.Status = attach.Internal
+		resp.Message = "mgpu: " + err.Error()
+		return resp, -1, nil, 0
+	}
+	in.reg.Proc(slot).Claim(uint32(pid), info.startTime) //nolint:gosec // pids fit
+	in.setUsed(slot)
+	in.slotFD[slot] = wfd
+	e.watches[wfd] = watchRef{in: in, slot: slot}
+	if err := e.w.add(wfd); err != nil {
+		e.o.log.Warn("watch process", "pid", pid, "err", err)
+	}
+	e.o.log.Debug("attached", "instance", in.name, "slot", slot, "pid", pid)
+	resp.Status = attach.OK
+	resp.Slot = uint32(slot) //nolint:gosec // < MaxProcs
+	resp.RegionSize = region.FileSize
+	resp.InstanceID = uint32(in.id) //nolint:gosec // small
+	return resp, fd, in, slot
+}
+
+// exited reports whether a pidfd's process has exited (the pidfd polls
+// readable).
+func exited(pidfd int) bool {
+	fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}} //nolint:gosec // fds fit in int32
+	n, err := unix.Poll(fds, 0)
+	return err == nil && n > 0
+}

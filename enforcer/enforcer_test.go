@@ -1,0 +1,495 @@
+package enforcer
+
+import (
+	"context"
+	"errors"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/enforcer/attach"
+	"github.com/mgpu-dev/mgpu/enforcer/procfs"
+	"github.com/mgpu-dev/mgpu/enforcer/region"
+)
+
+var ctx = context.Background()
+
+func tree(pid, core int, mem uint64) api.CreateRequest {
+	return api.CreateRequest{Kind: api.KindProcessTree, PID: pid, Core: core, MemoryMiB: mem}
+}
+
+func TestRunDirectoryLayout(t *testing.T) {
+	env := newEnv(t, nil)
+	env.start(t)
+	for _, c := range []struct {
+		path string
+		mode os.FileMode
+	}{
+		{env.runDir() + "/control.sock", os.ModeSocket | 0o600},
+		{env.runDir() + "/regions", os.ModeDir | 0o700},
+		{env.runDir() + "/client", os.ModeDir | 0o755},
+		{env.runDir() + "/client/client.sock", os.ModeSocket | 0o666},
+	} {
+		st, err := os.Stat(c.path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Mode() != c.mode {
+			t.Errorf("%s: mode %v, want %v", c.path, st.Mode(), c.mode)
+		}
+	}
+	// A second enforcer for the same device refuses to start.
+	_, err := New(env.cfg, 0)
+	if !errors.Is(err, ErrRunning) || !strings.Contains(err.Error(), "device 0 is served by pid") {
+		t.Fatalf("second enforcer: %v", err)
+	}
+}
+
+func TestCreateListDestroy(t *testing.T) {
+	env := newEnv(t, nil)
+	env.start(t)
+	c := env.client()
+	out, err := c.Create(ctx, tree(os.Getpid(), 30, 4096))
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := out.Instance
+	if in.Name != "mgpu0inst0" || in.Kind != api.KindProcessTree || in.Core != 30 || in.MemoryMiB != 4096 || in.Policy != "fixed-share" || out.Existing {
+		t.Fatalf("created %+v", out)
+	}
+	st, _ := procfs.Host.Stat(os.Getpid())
+	if in.StartTime != st.StartTime {
+		t.Fatalf("start time %d, want %d", in.StartTime, st.StartTime)
+	}
+	r, err := region.Open(in.Region)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := r.Params()
+	r.Close()
+	if p.DeviceIndex != 0 || p.InstanceID != 0 || p.Core != 30 || p.MemoryLimit != 4096<<20 || p.PeriodNs != 100e6 || p.Policy != region.PolicyFixedShare || p.MaxQueuedNs == 0 {
+		t.Fatalf("region header %+v", p)
+	}
+	out2, err := c.Create(ctx, tree(os.Getpid(), 20, 1024))
+	if err != nil || out2.Instance.Name != "mgpu0inst1" {
+		t.Fatalf("second: %+v %v", out2, err)
+	}
+	list, err := c.List(ctx)
+	if err != nil || len(list) != 2 || list[0].Name != "mgpu0inst0" || list[1].Name != "mgpu0inst1" {
+		t.Fatalf("list %+v %v", list, err)
+	}
+	dev, err := c.Device(ctx)
+	if err != nil || dev.Instances != 2 || dev.CoreSum != 50 || dev.CoreFree != 50 || dev.MemoryAllocatedMiB != 5120 || dev.MemoryFreeMiB != 81920-5120 {
+		t.Fatalf("device %+v %v", dev, err)
+	}
+	got, err := c.Get(ctx, "mgpu0inst1")
+	if err != nil || got.Core != 20 {
+		t.Fatalf("get %+v %v", got, err)
+	}
+	var ae *api.Error
+	if _, err := c.Get(ctx, "mgpu0inst9"); !errors.As(err, &ae) || ae.Status != 404 {
+		t.Fatalf("get missing: %v", err)
+	}
+	d, err := c.Destroy(ctx, "mgpu0inst0")
+	if err != nil || !d.Released {
+		t.Fatalf("destroy %+v %v", d, err)
+	}
+	if _, err := os.Stat(in.Region); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("region still there: %v", err)
+	}
+	d, err = c.Destroy(ctx, "mgpu0inst0")
+	if err != nil || d.Released {
+		t.Fatalf("second destroy %+v %v", d, err)
+	}
+	// Y is reused after release: the lowest free id.
+	out3, err := c.Create(ctx, tree(os.Getpid(), 10, 10))
+	if err != nil || out3.Instance.Name != "mgpu0inst0" {
+		t.Fatalf("reuse: %+v %v", out3, err)
+	}
+	stats, err := c.Stats(ctx)
+	if err != nil || len(stats) != 2 || stats[0].MemoryLimitBytes != 10<<20 {
+		t.Fatalf("stats %+v %v", stats, err)
+	}
+}
+
+func TestAdmissionRefusals(t *testing.T) {
+	env := newEnv(t, func(s string) string {
+		return withMaxInstances(3)(withPolicy("guaranteed-burst-share")(s))
+	})
+	env.start(t)
+	c := env.client()
+	if _, err := c.Create(ctx, tree(os.Getpid(), 60, 80000)); err != nil {
+		t.Fatal(err)
+	}
+	pid := os.Getpid()
+	for _, tc := range []struct {
+		name   string
+		req    api.CreateRequest
+		status int
+		want   string
+	}{
+		{"policy", api.CreateRequest{Kind: api.KindContainer, ContainerID: "c1", PID: pid, Policy: "fixed-share", Core: 10, MemoryMiB: 1},
+			409, "device 0 runs guaranteed-burst-share, container asks fixed-share"},
+		{"policy process tree", api.CreateRequest{Kind: api.KindProcessTree, PID: pid, Policy: "native-burst-share", Core: 10, MemoryMiB: 1},
+			409, "device 0 runs guaranteed-burst-share, process tree asks native-burst-share"},
+		{"core sum", tree(pid, 50, 1), 409, "device 0 has 40% compute free under guaranteed-burst-share (60% allocated), process tree asks 50%"},
+		{"memory sum", tree(pid, 10, 2000), 409, "device 0 has 1920 MiB memory free (80000 of 81920 MiB allocated), process tree asks 2000 MiB"},
+		{"core zero", tree(pid, 0, 1), 409, "core 0 is outside 1..100 (percent of device 0's time)"},
+		{"core high", tree(pid, 101, 1), 409, "core 101 is outside 1..100 (percent of device 0's time)"},
+		{"memory zero", tree(pid, 10, 0), 409, "memory must be at least 1 MiB, process tree asks 0"},
+		{"unknown policy", api.CreateRequest{Kind: api.KindProcessTree, PID: pid, Policy: "greedy", Core: 10, MemoryMiB: 1},
+			400, `bad request: unknown compute policy "greedy" (want fixed-share, guaranteed-burst-share or native-burst-share)`},
+		{"no pid", tree(0, 10, 1), 400, "bad request: pid must be a host pid (1..4194304), got 0"},
+		{"dead pid", tree(1<<22, 10, 1), 400, "pid 4194304 does not exist or has exited"},
+		{"container in host namespaces", api.CreateRequest{ContainerID: "c2", PID: pid, Core: 10, MemoryMiB: 1},
+			409, "container c2 (pid " + itoa(pid) + ") shares the enforcer's pid namespace and cgroup, so its processes cannot be told from the host's; run it in its own pid namespace or cgroup"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := c.Create(ctx, tc.req)
+			var ae *api.Error
+			if !errors.As(err, &ae) {
+				t.Fatalf("err %v, want *api.Error", err)
+			}
+			if ae.Status != tc.status || err.Error() != tc.want {
+				t.Fatalf("got %d %q\nwant %d %q", ae.Status, err.Error(), tc.status, tc.want)
+			}
+		})
+	}
+	if _, err := c.Create(ctx, tree(pid, 10, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Create(ctx, tree(pid, 10, 1)); err != nil {
+		t.Fatal(err)
+	}
+	_, err := c.Create(ctx, tree(pid, 10, 1))
+	if want := "device 0 already has 3 instances, the most it admits (max_instances = 3)"; err == nil || err.Error() != want {
+		t.Fatalf("max instances: %v, want %q", err, want)
+	}
+	// Refusals left nothing behind.
+	if dev, _ := c.Device(ctx); dev.Instances != 3 || dev.CoreSum != 80 {
+		t.Fatalf("device after refusals %+v", dev)
+	}
+}
+
+func TestNativeBurstAdmitsOverHundred(t *testing.T) {
+	env := newEnv(t, withPolicy("native-burst-share"))
+	env.start(t)
+	c := env.client()
+	for range 3 {
+		if _, err := c.Create(ctx, tree(os.Getpid(), 60, 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if dev, _ := c.Device(ctx); dev.CoreSum != 180 || dev.CoreFree != 0 || dev.PolicyCode != 2 {
+		t.Fatalf("device %+v", dev)
+	}
+}
+
+func TestBadControlRequests(t *testing.T) {
+	env := newEnv(t, nil)
+	env.start(t)
+	hc := env.client()
+	_ = hc
+	for _, tc := range []struct {
+		name, method, path, body string
+		status                   int
+	}{
+		{"unknown field", "POST", "/v1/instances", `{"pid":1,"core":1,"memory_mib":1,"gpu":3}`, 400},
+		{"two objects", "POST", "/v1/instances", `{"kind":"process-tree","pid":1,"core":1,"memory_mib":1}{}`, 400},
+		{"not json", "POST", "/v1/instances", `pid=1`, 400},
+		{"too large", "POST", "/v1/instances", `{"container_id":"` + strings.Repeat("a", api.MaxRequestBytes) + `"}`, 400},
+		{"unknown path", "GET", "/v2/instances", ``, 404},
+		{"destroy without id", "DELETE", "/v1/instances", ``, 400},
+		{"bad name", "DELETE", "/v1/instances/gpu0", ``, 400},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			status, body := rawRequest(t, env, tc.method, tc.path, tc.body)
+			if status != tc.status || !strings.HasPrefix(body, `{`) || !strings.Contains(body, `"error"`) {
+				t.Fatalf("got %d %s, want %d with a JSON error", status, body, tc.status)
+			}
+		})
+	}
+}
+
+func TestAttach(t *testing.T) {
+	env := newEnv(t, nil)
+	env.start(t)
+	c := env.client()
+	out, err := c.Create(ctx, tree(os.Getpid(), 40, 2048))
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := attach.Dial(api.ClientSocket(env.runDir()), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Region.Close()
+	if res.RegionSize != region.FileSize || res.DeviceIndex != 0 || res.InstanceID != uint32(out.Instance.ID) {
+		t.Fatalf("response %+v", res.Response)
+	}
+	mem, err := unix.Mmap(int(res.Region.Fd()), 0, int(res.RegionSize), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	l := layoutOf(mem)
+	if l.Magic != region.Magic || l.Core != 40 || l.MemoryLimit != 2048<<20 || l.InstanceID != 0 {
+		t.Fatalf("header %+v", l)
+	}
+	st, _ := procfs.Host.Stat(os.Getpid())
+	p := &l.Procs[res.Slot]
+	if p.PID.Load() != uint32(os.Getpid()) || p.StartTime.Load() != st.StartTime {
+		t.Fatalf("slot %d: pid %d start %d", res.Slot, p.PID.Load(), p.StartTime.Load())
+	}
+	stats, _ := c.Stats(ctx)
+	if len(stats[0].Processes) != 1 || stats[0].Processes[0].PID != os.Getpid() {
+		t.Fatalf("stats %+v", stats)
+	}
+	if in, _ := c.Get(ctx, "mgpu0inst0"); in.Processes != 1 {
+		t.Fatalf("processes %d", in.Processes)
+	}
+	// Attaching again (a new process image after exec) starts the slot
+	// over: same slot, counters folded into the instance.
+	p.GPUNs.Store(5000)
+	p.MemReserved.Store(1 << 20)
+	res2, err := attach.Dial(api.ClientSocket(env.runDir()), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res2.Region.Close()
+	if res2.Slot != res.Slot || p.MemReserved.Load() != 0 || p.PID.Load() != uint32(os.Getpid()) {
+		t.Fatalf("re-attach: slot %d (was %d), mem %d", res2.Slot, res.Slot, p.MemReserved.Load())
+	}
+	if stats, _ := c.Stats(ctx); stats[0].GPUNs != 5000 {
+		t.Fatalf("gpu ns after re-attach %d, want 5000", stats[0].GPUNs)
+	}
+}
+
+func TestAttachRefusesStrangers(t *testing.T) {
+	env := newEnv(t, nil)
+	env.start(t)
+	c := env.client()
+	// An instance rooted at another process: the test process is not in
+	// its tree.
+	sl := startSleeper(t, nil)
+	if _, err := c.Create(ctx, tree(sl.Process.Pid, 40, 2048)); err != nil {
+		t.Fatal(err)
+	}
+	_, err := attach.Dial(api.ClientSocket(env.runDir()), 5*time.Second)
+	var re *attach.RefusedError
+	if !errors.As(err, &re) || re.Status != attach.NoInstance {
+		t.Fatalf("err %v, want NO_INSTANCE", err)
+	}
+	want := "mgpu: pid " + itoa(os.Getpid()) + " belongs to no mgpu instance on device 0; start it with mgpu-cli run or in a container with --device mgpu.io/gpu=0"
+	if err.Error() != want {
+		t.Fatalf("message %q\nwant %q", err.Error(), want)
+	}
+}
+
+func TestAttachMalformed(t *testing.T) {
+	env := newEnv(t, nil)
+	env.start(t)
+	if _, err := env.client().Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
+		t.Fatal(err)
+	}
+	sock := api.ClientSocket(env.runDir())
+	bad := attach.Request{Magic: attach.Magic, Version: 7}.Marshal()
+	_, err := attach.DialRequest(sock, bad[:], 5*time.Second)
+	var re *attach.RefusedError
+	if !errors.As(err, &re) || re.Status != attach.BadRequest || !strings.Contains(err.Error(), "version 7") {
+		t.Fatalf("bad version: %v", err)
+	}
+	// A short request, then silence: the server closes the connection at
+	// its deadline and keeps serving others meanwhile.
+	_, err = attach.DialRequest(sock, []byte{1, 2, 3}, 300*time.Millisecond)
+	if err == nil {
+		t.Fatal("short request answered")
+	}
+	res, err := attach.Dial(sock, 5*time.Second)
+	if err != nil {
+		t.Fatalf("after malformed requests: %v", err)
+	}
+	res.Region.Close()
+}
+
+func TestReapDeadProcessAndInstance(t *testing.T) {
+	env := newEnv(t, nil)
+	env.start(t)
+	c := env.client()
+	// The instance's root is a sleeper; the attaching helper runs as a
+	// child of it? No: the helper is a child of the test process, so the
+	// instance is rooted at the test process here and at the sleeper below.
+	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
+		t.Fatal(err)
+	}
+	h := startAttachHelper(t, api.ClientSocket(env.runDir()), nil)
+	if !strings.HasPrefix(h.line, "ok slot=") {
+		t.Fatalf("helper: %s", h.line)
+	}
+	stats, _ := c.Stats(ctx)
+	if len(stats[0].Processes) != 1 || stats[0].Processes[0].PID != h.cmd.Process.Pid {
+		t.Fatalf("stats %+v", stats)
+	}
+	_ = h.cmd.Process.Signal(syscall.SIGKILL)
+	_ = h.cmd.Wait()
+	took := eventually(t, 2*time.Second, "dead process's slot reaped", func() bool {
+		s, _ := c.Stats(ctx)
+		return len(s) == 1 && len(s[0].Processes) == 0
+	})
+	t.Logf("slot reaped %v after the process died", took)
+
+	// A process-tree instance whose root exits is released.
+	sl := startSleeper(t, nil)
+	if _, err := c.Create(ctx, tree(sl.Process.Pid, 10, 1)); err != nil {
+		t.Fatal(err)
+	}
+	_ = sl.Process.Kill()
+	_ = sl.Wait()
+	took = eventually(t, 2*time.Second, "instance of a dead root released", func() bool {
+		l, _ := c.List(ctx)
+		return len(l) == 1
+	})
+	t.Logf("instance released %v after its root died", took)
+}
+
+func TestCorruptStateRefusesStart(t *testing.T) {
+	env := newEnv(t, nil)
+	if err := os.MkdirAll(env.cfg.DeviceStateDir(0), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	bad := []byte(`{"version":1,"device":0,"instances":[`)
+	if err := os.WriteFile(env.statePath(), bad, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, err := New(env.cfg, 0)
+	var ce *CorruptStateError
+	if !errors.As(err, &ce) {
+		t.Fatalf("err %v, want CorruptStateError", err)
+	}
+	msg := err.Error()
+	if strings.Contains(msg, "\n") || !strings.Contains(msg, env.statePath()) || !strings.Contains(msg, "move it aside") {
+		t.Fatalf("message %q", msg)
+	}
+	if got, _ := os.ReadFile(env.statePath()); string(got) != string(bad) {
+		t.Fatal("the corrupt state file was changed")
+	}
+	// The lock was released: once the file is moved aside, it starts.
+	if err := os.Rename(env.statePath(), env.statePath()+".bad"); err != nil {
+		t.Fatal(err)
+	}
+	e, err := New(env.cfg, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.Close()
+}
+
+func TestSameContainerTwice(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("needs root for a new pid namespace")
+	}
+	env := newEnv(t, nil)
+	env.start(t)
+	c := env.client()
+	init := startSleeper(t, &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID})
+	req := api.CreateRequest{ContainerID: "abc", PID: init.Process.Pid, Core: 30, MemoryMiB: 1024}
+	first, err := c.Create(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.Instance.PidNS == 0 || first.Existing {
+		t.Fatalf("first %+v", first)
+	}
+	again, err := c.Create(ctx, req)
+	if err != nil || !again.Existing || again.Instance.Name != first.Instance.Name {
+		t.Fatalf("again %+v %v", again, err)
+	}
+	req.Core = 50
+	if _, err := c.Create(ctx, req); err == nil || err.Error() != "container abc already has instance mgpu0inst0 with core 30, memory 1024 MiB" {
+		t.Fatalf("different quota: %v", err)
+	}
+	if l, _ := c.List(ctx); len(l) != 1 {
+		t.Fatalf("list %+v", l)
+	}
+	d, err := c.DestroyContainer(ctx, "abc")
+	if err != nil || !d.Released || d.Name != "mgpu0inst0" {
+		t.Fatalf("destroy %+v %v", d, err)
+	}
+	if d, err := c.DestroyContainer(ctx, "abc"); err != nil || d.Released {
+		t.Fatalf("destroy again %+v %v", d, err)
+	}
+}
+
+// TestContainerByPidNamespace: a process in the container's pid namespace
+// gets the container's region; the host process does not.
+func TestContainerByPidNamespace(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("needs root for a new pid namespace")
+	}
+	env := newEnv(t, nil)
+	env.start(t)
+	c := env.client()
+	if _, err := c.Create(ctx, tree(os.Getpid(), 10, 1)); err != nil { // mgpu0inst0: the test's own tree
+		t.Fatal(err)
+	}
+	// The helper is pid 1 of a new pid namespace: the container's init.
+	// It waits for the instance before attaching: start it, create the
+	// instance for its host pid, then let it attach.
+	h := startAttachHelperInNS(t, env, c)
+	if h.line != "ok slot=0 instance=1" {
+		t.Fatalf("container process: %q, want its container's instance 1", h.line)
+	}
+	h.exit()
+	eventually(t, 2*time.Second, "container instance released after its init exited", func() bool {
+		l, _ := c.List(ctx)
+		return len(l) == 1 && l[0].Name == "mgpu0inst0"
+	})
+}
+
+func TestContainerByCgroup(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("needs root for cgroups")
+	}
+	base := "/sys/fs/cgroup/unified"
+	if _, err := os.Stat(base + "/cgroup.procs"); err != nil {
+		base = "/sys/fs/cgroup"
+	}
+	dir, err := os.MkdirTemp(base, "mgpu-test")
+	if err != nil {
+		t.Skipf("cannot create a cgroup: %v", err)
+	}
+	defer os.Remove(dir)
+	env := newEnv(t, nil)
+	env.start(t)
+	c := env.client()
+	// A "container" in the host pid namespace, in its own cgroup.
+	init := startSleeper(t, nil)
+	if err := os.WriteFile(dir+"/cgroup.procs", []byte(itoa(init.Process.Pid)), 0o600); err != nil {
+		t.Skipf("cannot move a process into %s: %v", dir, err)
+	}
+	out, err := c.Create(ctx, api.CreateRequest{ContainerID: "cg", PID: init.Process.Pid, Core: 10, MemoryMiB: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out.Instance.PidNS != 0 || !strings.HasSuffix(out.Instance.Cgroup, "/"+dirBase(dir)) {
+		t.Fatalf("instance %+v", out.Instance)
+	}
+	// The helper joins the cgroup before it attaches (its parent writes its
+	// pid), so it is started stopped by a pipe: use a sleeper-like wait.
+	h := startAttachHelperInCgroup(t, env, dir)
+	if h.line != "ok slot=0 instance=0" {
+		t.Fatalf("process in the container's cgroup: %q", h.line)
+	}
+	h.exit()
+	_ = init.Process.Kill()
+	_ = init.Wait()
+	eventually(t, 2*time.Second, "cgroup container released", func() bool {
+		l, _ := c.List(ctx)
+		return len(l) == 0
+	})
+}

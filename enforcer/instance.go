@@ -1,0 +1,589 @@
+package enforcer
+
+import (
+	"errors"
+	"fmt"
+	"math/bits"
+	"os"
+	"path/filepath"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/enforcer/arbiter"
+	"github.com/mgpu-dev/mgpu/enforcer/procfs"
+	"github.com/mgpu-dev/mgpu/enforcer/region"
+	"github.com/mgpu-dev/mgpu/internal/policy"
+)
+
+// instance is one mgpuXinstY. Every field is guarded by Enforcer.mu.
+type instance struct {
+	id          int
+	name        string
+	kind        api.Kind
+	containerID string
+	pid         int    // init (container) or root (process tree)
+	startTime   uint64 // of pid
+	pidNS       uint64 // container's pid namespace; 0: the host's (match by cgroup)
+	cgroup      string // container's cgroup; "": none usable
+	policy      policy.Policy
+	core        int
+	memMiB      uint64
+	created     time.Time
+
+	reg  *region.Region
+	path string
+
+	rootFD   int  // pidfd of pid; -1 when none
+	rootGone bool // pid has exited; released once no process is attached
+
+	used   [region.MaxProcs / 64]uint64 // bitmap of slots in use
+	nused  int
+	slotFD [region.MaxProcs]int // pidfd per used slot; -1 when none
+
+	// Counters of reaped processes (instance totals stay monotonic).
+	reapedGPU, reapedThrottled, reapedLaunches uint64
+
+	granted      bool
+	lastGPU      uint64
+	lastLaunches uint64
+}
+
+// watchRef says what a watched pidfd stands for.
+type watchRef struct {
+	in   *instance
+	slot int // -1: the instance's root process
+}
+
+func newInstance() *instance {
+	in := &instance{rootFD: -1}
+	for i := range in.slotFD {
+		in.slotFD[i] = -1
+	}
+	return in
+}
+
+func (in *instance) slotUsed(i int) bool { return in.used[i/64]&(1<<(i%64)) != 0 }
+
+func (in *instance) setUsed(i int) {
+	if !in.slotUsed(i) {
+		in.used[i/64] |= 1 << (i % 64)
+		in.nused++
+	}
+}
+
+func (in *instance) clearUsed(i int) {
+	if in.slotUsed(i) {
+		in.used[i/64] &^= 1 << (i % 64)
+		in.nused--
+	}
+}
+
+// forSlots calls f for every used slot, in order.
+func (in *instance) forSlots(f func(i int)) {
+	for w, word := range in.used {
+		for word != 0 {
+			b := bits.TrailingZeros64(word)
+			f(w*64 + b)
+			word &= word - 1
+		}
+	}
+}
+
+// fold adds a slot's counters to the reaped totals.
+func (in *instance) fold(p *region.Proc) {
+	in.reapedGPU += p.GPUNs.Load()
+	in.reapedThrottled += p.ThrottledNs.Load()
+	in.reapedLaunches += p.Launches.Load()
+}
+
+func (in *instance) closeFDs() {
+	if in.rootFD >= 0 {
+		_ = unix.Close(in.rootFD)
+		in.rootFD = -1
+	}
+	for i, fd := range in.slotFD {
+		if fd >= 0 {
+			_ = unix.Close(fd)
+			in.slotFD[i] = -1
+		}
+	}
+}
+
+// noun names what asks for an instance in refusals.
+func (in *instance) noun() string { return noun(in.kind) }
+
+func noun(k api.Kind) string {
+	if k == api.KindProcessTree {
+		return "process tree"
+	}
+	return "container"
+}
+
+func (in *instance) record() stateInstance {
+	return stateInstance{
+		Name: in.name, ID: in.id, Kind: in.kind, ContainerID: in.containerID,
+		PID: in.pid, StartTime: in.startTime, PidNS: in.pidNS, Cgroup: in.cgroup,
+		Policy: in.policy, Core: in.core, MemoryMiB: in.memMiB, Created: in.created,
+		ReapedGPUNs: in.reapedGPU, ReapedThrottledNs: in.reapedThrottled, ReapedLaunches: in.reapedLaunches,
+	}
+}
+
+func (in *instance) api(dev int) api.Instance {
+	return api.Instance{
+		Name: in.name, Device: dev, ID: in.id, Kind: in.kind, ContainerID: in.containerID,
+		PID: in.pid, StartTime: in.startTime, PidNS: in.pidNS, Cgroup: in.cgroup,
+		Policy: in.policy.String(), Core: in.core, MemoryMiB: in.memMiB, Created: in.created,
+		Processes: in.nused, Region: in.path,
+	}
+}
+
+// Request errors; the HTTP layer maps them to 400, 404 and 409.
+var (
+	ErrInvalid  = errors.New("invalid request")
+	ErrNotFound = errors.New("no such instance")
+	ErrRefused  = errors.New("refused")
+)
+
+// reqError is an error whose text is the one line the user sees.
+type reqError struct {
+	kind error
+	msg  string
+}
+
+func (e *reqError) Error() string        { return e.msg }
+func (e *reqError) Is(target error) bool { return target == e.kind }
+
+func refusef(format string, a ...any) error {
+	return &reqError{kind: ErrRefused, msg: fmt.Sprintf(format, a...)}
+}
+
+func invalidf(format string, a ...any) error {
+	return &reqError{kind: ErrInvalid, msg: fmt.Sprintf(format, a...)}
+}
+
+// identity is what the enforcer learned about a new instance's process.
+type identity struct {
+	startTime uint64
+	pidNS     uint64
+	cgroup    string
+}
+
+// Create admits a new instance (or returns the container's existing one).
+// Admission is atomic: checks and insertion happen under one lock.
+func (e *Enforcer) Create(req api.CreateRequest) (api.CreateResponse, error) {
+	if err := req.Validate(); err != nil {
+		return api.CreateResponse{}, &reqError{kind: ErrInvalid, msg: err.Error()}
+	}
+	e.mu.Lock()
+	err := e.checkQuotasLocked(req)
+	e.mu.Unlock()
+	if err != nil {
+		return api.CreateResponse{}, err
+	}
+	id, err := e.identify(req)
+	if err != nil {
+		return api.CreateResponse{}, err
+	}
+	pfd, err := e.pidfd(req.PID, id.startTime)
+	if err != nil {
+		return api.CreateResponse{}, invalidf("pid %d has exited", req.PID)
+	}
+	e.mu.Lock()
+	in, existing, err := e.admitLocked(req, id, pfd)
+	var out api.CreateResponse
+	if err == nil {
+		out = api.CreateResponse{Instance: in.api(e.index), Existing: existing}
+	}
+	e.mu.Unlock()
+	if err != nil || existing {
+		_ = unix.Close(pfd)
+		return out, err
+	}
+	if err := e.save(); err != nil {
+		e.mu.Lock()
+		e.releaseLocked(in, "its state could not be written")
+		e.mu.Unlock()
+		return api.CreateResponse{}, fmt.Errorf("write state %s: %w", e.statePth, err)
+	}
+	e.o.log.Info("created", "instance", in.name, "kind", in.kind, "container", in.containerID, "pid", in.pid,
+		"core", in.core, "memory_mib", in.memMiB)
+	e.kickLoop()
+	return out, nil
+}
+
+func (e *Enforcer) identify(req api.CreateRequest) (identity, error) {
+	st, err := e.o.proc.Stat(req.PID)
+	if err != nil || st.State == 'Z' || st.State == 'X' {
+		return identity{}, invalidf("pid %d does not exist or has exited", req.PID)
+	}
+	id := identity{startTime: st.StartTime}
+	if req.Kind == api.KindProcessTree {
+		if req.PID == 1 {
+			return identity{}, invalidf("pid 1 cannot be the root of a process-tree instance")
+		}
+		return id, nil
+	}
+	ns, err := e.o.proc.PidNS(req.PID)
+	if err != nil {
+		return identity{}, invalidf("pid %d: cannot read its pid namespace: %v", req.PID, err)
+	}
+	if ns != e.selfNS {
+		id.pidNS = ns
+	}
+	cg := req.Cgroup
+	if cg != "" && e.coversSelf(cg) {
+		return identity{}, invalidf("cgroup %s contains the enforcer itself; name the container's own cgroup", cg)
+	}
+	if cg == "" {
+		// The deepest of its cgroups (one per hierarchy on cgroup v1)
+		// that does not contain the enforcer.
+		cgs, _ := e.o.proc.Cgroups(req.PID)
+		for _, c := range cgs {
+			if !e.coversSelf(c) && len(c) > len(cg) {
+				cg = c
+			}
+		}
+	}
+	id.cgroup = cg
+	if id.pidNS == 0 && id.cgroup == "" {
+		return identity{}, refusef("container %s (pid %d) shares the enforcer's pid namespace and cgroup, so its processes cannot be told from the host's; run it in its own pid namespace or cgroup",
+			req.ContainerID, req.PID)
+	}
+	return id, nil
+}
+
+// coversSelf reports whether cgroup cg is the root or contains one of the
+// enforcer's own cgroups (matching by it would match host processes).
+func (e *Enforcer) coversSelf(cg string) bool {
+	if cg == "/" {
+		return true
+	}
+	for _, own := range e.selfCgs {
+		if own == cg || procfs.Under(own, cg) {
+			return true
+		}
+	}
+	return false
+}
+
+// pidfd opens a pidfd for pid and checks that it is the process that
+// started at startTime.
+func (e *Enforcer) pidfd(pid int, startTime uint64) (int, error) {
+	fd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return -1, fmt.Errorf("pidfd_open %d: %w", pid, err)
+	}
+	if !e.alive(pid, startTime) {
+		_ = unix.Close(fd)
+		return -1, fmt.Errorf("pid %d: %w", pid, os.ErrProcessDone)
+	}
+	return fd, nil
+}
+
+// alive reports whether pid is the live process that started at startTime.
+func (e *Enforcer) alive(pid int, startTime uint64) bool {
+	st, err := e.o.proc.Stat(pid)
+	return err == nil && st.StartTime == startTime && st.State != 'Z' && st.State != 'X'
+}
+
+func (e *Enforcer) admitLocked(req api.CreateRequest, id identity, pfd int) (*instance, bool, error) {
+	if e.closed {
+		return nil, false, errors.New("the enforcer is shutting down")
+	}
+	who := noun(req.Kind)
+	if req.ContainerID != "" {
+		if old := e.byCID[req.ContainerID]; old != nil {
+			sameProc := old.pid == req.PID && old.startTime == id.startTime
+			switch {
+			case sameProc && old.core == req.Core && old.memMiB == req.MemoryMiB && (req.Policy == "" || req.Policy == old.policy.String()):
+				return old, true, nil
+			case sameProc:
+				return nil, false, refusef("container %s already has instance %s with core %d, memory %d MiB", req.ContainerID, old.name, old.core, old.memMiB)
+			case !old.rootGone && e.alive(old.pid, old.startTime):
+				return nil, false, refusef("container %s already has instance %s for pid %d", req.ContainerID, old.name, old.pid)
+			default:
+				e.releaseLocked(old, "its container id was reused by a new process")
+			}
+		}
+	}
+	pol := e.settings.ComputePolicy
+	if err := e.checkQuotasLocked(req); err != nil {
+		return nil, false, err
+	}
+	if len(e.list) >= e.settings.MaxInstances {
+		return nil, false, refusef("device %d already has %d instances, the most it admits (max_instances = %d)", e.index, len(e.list), e.settings.MaxInstances)
+	}
+	cores, mem := e.sumsLocked()
+	if pol.Admission() && cores+req.Core > 100 {
+		return nil, false, refusef("device %d has %d%% compute free under %s (%d%% allocated), %s asks %d%%", e.index, 100-cores, pol, cores, who, req.Core)
+	}
+	total := e.dev.MemoryMiB()
+	if mem+req.MemoryMiB > total {
+		var free uint64
+		if mem < total {
+			free = total - mem
+		}
+		return nil, false, refusef("device %d has %d MiB memory free (%d of %d MiB allocated), %s asks %d MiB", e.index, free, mem, total, who, req.MemoryMiB)
+	}
+	y := 0
+	for e.byID[y] != nil {
+		y++
+	}
+	in := newInstance()
+	in.id, in.name, in.kind, in.containerID = y, api.InstanceName(e.index, y), req.Kind, req.ContainerID
+	in.pid, in.startTime, in.pidNS, in.cgroup = req.PID, id.startTime, id.pidNS, id.cgroup
+	in.policy, in.core, in.memMiB, in.created = pol, req.Core, req.MemoryMiB, time.Now().UTC()
+	in.path = filepath.Join(e.regions, in.name)
+	if err := os.Remove(in.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, false, fmt.Errorf("remove stale region: %w", err)
+	}
+	reg, err := region.Create(in.path, e.params(in))
+	if err != nil {
+		return nil, false, err
+	}
+	reg.L().EnforcerEpoch.Store(e.epoch)
+	in.reg = reg
+	in.rootFD = pfd
+	e.insertLocked(in)
+	e.watches[pfd] = watchRef{in: in, slot: -1}
+	if err := e.w.add(pfd); err != nil {
+		e.o.log.Warn("watch process", "pid", in.pid, "err", err)
+	}
+	return in, false, nil
+}
+
+// checkQuotasLocked checks what needs no identity: core, memory, policy.
+func (e *Enforcer) checkQuotasLocked(req api.CreateRequest) error {
+	who := noun(req.Kind)
+	if req.Core < 1 || req.Core > 100 {
+		return refusef("core %d is outside 1..100 (percent of device %d's time)", req.Core, e.index)
+	}
+	if req.MemoryMiB == 0 {
+		return refusef("memory must be at least 1 MiB, %s asks 0", who)
+	}
+	if req.Policy != "" {
+		want, err := policy.Parse(req.Policy)
+		if err != nil {
+			return invalidf("%v", err)
+		}
+		if pol := e.settings.ComputePolicy; want != pol {
+			return refusef("device %d runs %s, %s asks %s", e.index, pol, who, want)
+		}
+	}
+	return nil
+}
+
+func (e *Enforcer) sumsLocked() (cores int, memMiB uint64) {
+	for _, in := range e.list {
+		cores += in.core
+		memMiB += in.memMiB
+	}
+	return cores, memMiB
+}
+
+func (e *Enforcer) params(in *instance) region.Params {
+	return region.Params{
+		DeviceIndex: uint32(e.index), InstanceID: uint32(in.id), //nolint:gosec // small
+		Policy: uint32(in.policy), Core: uint32(in.core), //nolint:gosec // 1..100
+		MemoryLimit: in.memMiB << 20,
+		PeriodNs:    uint64(e.settings.Period()),      //nolint:gosec // positive
+		MaxQueuedNs: uint64(arbiter.DefaultMaxQueued), //nolint:gosec // positive
+	}
+}
+
+func (e *Enforcer) insertLocked(in *instance) {
+	e.byID[in.id] = in
+	if in.containerID != "" {
+		e.byCID[in.containerID] = in
+	}
+	i := 0
+	for i < len(e.list) && e.list[i].id < in.id {
+		i++
+	}
+	e.list = append(e.list, nil)
+	copy(e.list[i+1:], e.list[i:])
+	e.list[i] = in
+	e.arb.Add(in.id, in.core)
+}
+
+// releaseLocked removes an instance: its grant is withdrawn, its region
+// file removed (processes that still map it keep a dead copy), and its
+// watches closed. The caller writes the state afterwards.
+func (e *Enforcer) releaseLocked(in *instance, why string) {
+	if e.byID[in.id] != in {
+		return
+	}
+	delete(e.byID, in.id)
+	if in.containerID != "" && e.byCID[in.containerID] == in {
+		delete(e.byCID, in.containerID)
+	}
+	for i, x := range e.list {
+		if x == in {
+			e.list = append(e.list[:i], e.list[i+1:]...)
+			break
+		}
+	}
+	e.arb.Remove(in.id)
+	delete(e.usage, in.id)
+	if in.rootFD >= 0 {
+		delete(e.watches, in.rootFD)
+	}
+	for _, fd := range in.slotFD {
+		if fd >= 0 {
+			delete(e.watches, fd)
+		}
+	}
+	in.closeFDs()
+	in.reg.SetGrant(0)
+	_ = in.reg.Close()
+	if err := os.Remove(in.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		e.o.log.Warn("remove region", "path", in.path, "err", err)
+	}
+	e.o.log.Info("released", "instance", in.name, "container", in.containerID, "reason", why)
+	if len(e.list) == 0 {
+		e.applyPendingLocked()
+	}
+}
+
+// applyPendingLocked switches an empty device to the configured settings.
+func (e *Enforcer) applyPendingLocked() {
+	if e.settings == e.configured {
+		return
+	}
+	e.o.log.Info("device is empty; applying the configured settings", "device", e.index,
+		"policy", e.configured.ComputePolicy.String(), "compute_timeslice", e.configured.ComputeTimeslice,
+		"compute_timeslice_native_burst", e.configured.ComputeTimesliceNativeBurst)
+	e.settings = e.configured
+	e.arb = e.newArbiter()
+}
+
+func (e *Enforcer) newArbiter() *arbiter.Arbiter {
+	s := e.settings
+	c := arbiter.Config{Policy: s.ComputePolicy, Period: s.Period(), MaxQueued: arbiter.DefaultMaxQueued}
+	if s.ComputePolicy == policy.NativeBurstShare {
+		c.Quantum = s.NativeSlice()
+	}
+	return arbiter.New(c)
+}
+
+// Destroy releases the instance with the given name. It is idempotent:
+// releasing an unknown instance reports Released false.
+func (e *Enforcer) Destroy(name string) (api.DestroyResponse, error) {
+	dev, id, err := api.ParseInstanceName(name)
+	if err != nil {
+		return api.DestroyResponse{}, invalidf("%v", err)
+	}
+	if dev != e.index {
+		return api.DestroyResponse{}, invalidf("instance %s belongs to device %d, this is device %d's enforcer", name, dev, e.index)
+	}
+	e.mu.Lock()
+	in := e.byID[id]
+	if in != nil {
+		e.releaseLocked(in, "destroyed")
+	}
+	e.mu.Unlock()
+	if in == nil {
+		return api.DestroyResponse{Name: name}, nil
+	}
+	return api.DestroyResponse{Released: true, Name: name}, e.save()
+}
+
+// DestroyContainer releases the instance of a container id (idempotent).
+func (e *Enforcer) DestroyContainer(cid string) (api.DestroyResponse, error) {
+	if cid == "" {
+		return api.DestroyResponse{}, invalidf("container_id is empty")
+	}
+	e.mu.Lock()
+	in := e.byCID[cid]
+	if in != nil {
+		e.releaseLocked(in, "destroyed")
+	}
+	e.mu.Unlock()
+	if in == nil {
+		return api.DestroyResponse{}, nil
+	}
+	return api.DestroyResponse{Released: true, Name: in.name}, e.save()
+}
+
+// List returns the instances by id.
+func (e *Enforcer) List() []api.Instance {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := make([]api.Instance, 0, len(e.list))
+	for _, in := range e.list {
+		out = append(out, in.api(e.index))
+	}
+	return out
+}
+
+// Get returns one instance.
+func (e *Enforcer) Get(name string) (api.Instance, error) {
+	dev, id, err := api.ParseInstanceName(name)
+	if err != nil {
+		return api.Instance{}, invalidf("%v", err)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	in := e.byID[id]
+	if dev != e.index || in == nil {
+		return api.Instance{}, &reqError{kind: ErrNotFound, msg: fmt.Sprintf("no instance %s on device %d", name, e.index)}
+	}
+	return in.api(e.index), nil
+}
+
+// Device returns the device's live allocation.
+func (e *Enforcer) Device() api.DeviceResponse {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	cores, mem := e.sumsLocked()
+	total := e.dev.MemoryMiB()
+	var free uint64
+	if mem < total {
+		free = total - mem
+	}
+	s := e.settings
+	return api.DeviceResponse{
+		Index: e.index, UUID: e.dev.UUID, Name: e.dev.Name, MemoryMiB: total,
+		Policy: s.ComputePolicy.String(), PolicyCode: s.ComputePolicy.Code(),
+		ConfiguredPolicy: e.configured.ComputePolicy.String(),
+		TimesliceMS:      s.ComputeTimeslice, NativeSliceUS: s.ComputeTimesliceNativeBurst,
+		MaxInstances: s.MaxInstances,
+		Instances:    len(e.list), CoreSum: cores, CoreFree: max(0, 100-cores),
+		MemoryAllocatedMiB: mem, MemoryFreeMiB: free,
+		EnforcerPID: os.Getpid(), EnforcerEpoch: e.epoch, Started: e.started.UTC(),
+	}
+}
+
+// Stats returns every instance's accounting.
+func (e *Enforcer) Stats() []api.InstanceStats {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := make([]api.InstanceStats, 0, len(e.list))
+	for _, in := range e.list {
+		as := e.arb.Stats(in.id)
+		s := api.InstanceStats{
+			Name: in.name, Core: in.core,
+			GrantedNs: int64(as.Granted), DemandThrottledNs: int64(as.Throttled), Holding: as.Holding,
+			GPUNs: in.reapedGPU, ThrottledNs: in.reapedThrottled, Launches: in.reapedLaunches,
+			MemoryLimitBytes: in.memMiB << 20,
+			Processes:        []api.Process{},
+		}
+		in.forSlots(func(i int) {
+			p := in.reg.Proc(i)
+			pr := api.Process{
+				PID: int(p.PID.Load()), Slot: i, GPUNs: p.GPUNs.Load(), MemReservedBytes: p.MemReserved.Load(),
+				Launches: p.Launches.Load(), ThrottledNs: p.ThrottledNs.Load(), Waiting: p.Waiting.Load(),
+			}
+			s.GPUNs += pr.GPUNs
+			s.ThrottledNs += pr.ThrottledNs
+			s.Launches += pr.Launches
+			s.MemoryUsedBytes += pr.MemReservedBytes
+			s.QueuedNs += p.QueuedNs.Load()
+			s.Processes = append(s.Processes, pr)
+		})
+		out = append(out, s)
+	}
+	return out
+}

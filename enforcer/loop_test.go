@@ -1,0 +1,245 @@
+package enforcer
+
+import (
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/enforcer/attach"
+	"github.com/mgpu-dev/mgpu/enforcer/region"
+)
+
+// mapRegion maps a region fd or file for the test, like the shim does.
+func mapRegion(t testing.TB, f *os.File) *region.Layout {
+	t.Helper()
+	mem, err := unix.Mmap(int(f.Fd()), 0, region.FileSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Munmap(mem) })
+	return layoutOf(mem)
+}
+
+// TestArbitration runs the loop against a simulated device: two instances
+// (fixed-share, 50 and 30) saturate it; a waiter blocked in FUTEX_WAIT on
+// an instance's grant is woken when it gets the grant; the measured shares
+// follow the cores.
+func TestArbitration(t *testing.T) {
+	env := newEnv(t, nil)
+	env.start(t)
+	c := env.client()
+	if _, err := c.Create(ctx, tree(os.Getpid(), 50, 100)); err != nil {
+		t.Fatal(err)
+	}
+	res, err := attach.Dial(api.ClientSocket(env.runDir()), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := mapRegion(t, res.Region)
+	res.Region.Close()
+	pa := &a.Procs[res.Slot]
+
+	// Instance B is rooted at a helper process, which attaches to it.
+	h := startHelper(t, api.ClientSocket(env.runDir()), nil)
+	if _, err := c.Create(ctx, tree(h.cmd.Process.Pid, 30, 100)); err != nil {
+		t.Fatal(err)
+	}
+	if line := h.attach(t); line != "ok slot=0 instance=1" {
+		t.Fatalf("helper: %s", line)
+	}
+	fb, err := os.OpenFile(env.runDir()+"/regions/mgpu0inst1", os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := mapRegion(t, fb)
+	fb.Close()
+	pb := &b.Procs[0]
+	if pb.PID.Load() != uint32(h.cmd.Process.Pid) {
+		t.Fatalf("helper's slot holds pid %d", pb.PID.Load())
+	}
+
+	// A thread of "B" blocks on B's grant.
+	woke := make(chan time.Duration, 1)
+	var tid atomic.Int32
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		tid.Store(int32(unix.Gettid()))
+		start := time.Now()
+		for b.Grant.Load() == 0 {
+			ts := unix.NsecToTimespec(int64(10 * time.Second))
+			_, _, _ = unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(&b.Grant)), 0, 0, uintptr(unsafe.Pointer(&ts)), 0, 0)
+		}
+		woke <- time.Since(start)
+	}()
+	eventually(t, 5*time.Second, "waiter in futex wait", func() bool {
+		s, _ := os.ReadFile("/proc/self/task/" + strconv.Itoa(int(tid.Load())) + "/syscall")
+		f := strings.Fields(string(s))
+		return tid.Load() != 0 && len(f) > 0 && f[0] == strconv.Itoa(unix.SYS_FUTEX)
+	})
+
+	// The simulated device: whoever holds the grant and waits runs.
+	var mu sync.Mutex
+	used := map[string]time.Duration{}
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		last := time.Now()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			time.Sleep(100 * time.Microsecond) // the device's clock step
+			now := time.Now()
+			dt := now.Sub(last)
+			last = now
+			mu.Lock()
+			for name, p := range map[string]*region.Proc{"a": pa, "b": pb} {
+				l := a
+				if name == "b" {
+					l = b
+				}
+				if l.Grant.Load() != 0 && p.Waiting.Load() > 0 {
+					p.GPUNs.Add(uint64(dt))
+					p.Launches.Add(1)
+					used[name] += dt
+					break // one kernel at a time
+				}
+			}
+			mu.Unlock()
+		}
+	}()
+	pa.Waiting.Store(1)
+	pb.Waiting.Store(1)
+	select {
+	case d := <-woke:
+		t.Logf("B's futex waiter woke %v after demand began", d)
+	case <-time.After(5 * time.Second):
+		t.Fatal("B's waiter was never woken")
+	}
+	mu.Lock()
+	for k := range used {
+		used[k] = 0
+	}
+	mu.Unlock()
+	start := time.Now()
+	time.Sleep(1500 * time.Millisecond) // the measurement window
+	mu.Lock()
+	wall := time.Since(start)
+	sa, sb := 100*float64(used["a"])/float64(wall), 100*float64(used["b"])/float64(wall)
+	mu.Unlock()
+	close(stop)
+	wg.Wait()
+	t.Logf("fixed-share 50/30 over %v: a %.1f%%, b %.1f%%", wall, sa, sb)
+	if sa < 40 || sa > 56 || sb < 22 || sb > 36 {
+		t.Errorf("shares a %.1f%% b %.1f%%, want about 50 and 30", sa, sb)
+	}
+	stats, _ := c.Stats(ctx)
+	if stats[0].GrantedNs == 0 || stats[1].GrantedNs == 0 || stats[0].GPUNs == 0 {
+		t.Errorf("stats %+v", stats)
+	}
+	if hb := a.HeartbeatNs.Load(); hb == 0 {
+		t.Error("no heartbeat")
+	}
+}
+
+// TestIdleCost measures the CPU time of an enforcer process (the real
+// command) with one attached process: dormant (no process), idle (process
+// attached, no work) and active (a thread waits, 1 ms ticks).
+func TestIdleCost(t *testing.T) {
+	if testing.Short() {
+		t.Skip("measures for seconds")
+	}
+	env := newEnv(t, nil)
+	d := startDaemon(t, env)
+	c := env.client()
+	if _, err := c.Create(ctx, tree(os.Getpid(), 50, 100)); err != nil {
+		t.Fatal(err)
+	}
+	// CPU time of all the enforcer's threads (utime+stime in clock ticks
+	// is too coarse; schedstat is in ns).
+	cpu := func() time.Duration {
+		tasks, err := filepath.Glob("/proc/" + strconv.Itoa(d.cmd.Process.Pid) + "/task/*/schedstat")
+		if err != nil || len(tasks) == 0 {
+			t.Fatalf("threads of the enforcer: %v", err)
+		}
+		var total time.Duration
+		for _, f := range tasks {
+			s, err := os.ReadFile(f)
+			if err != nil {
+				continue // the thread exited
+			}
+			ns, _ := strconv.ParseInt(strings.Fields(string(s))[0], 10, 64)
+			total += time.Duration(ns)
+		}
+		return total
+	}
+	measure := func(name string, limit float64) {
+		c0, w0 := cpu(), time.Now()
+		time.Sleep(time.Second) // the measurement window
+		pct := 100 * float64(cpu()-c0) / float64(time.Since(w0))
+		t.Logf("%s: %.2f%% of one CPU", name, pct)
+		if pct > limit {
+			t.Errorf("%s costs %.2f%% CPU, want <= %.1f%%", name, pct, limit)
+		}
+	}
+	measure("dormant (instance, no process)", 2)
+	res, err := attach.Dial(api.ClientSocket(env.runDir()), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := mapRegion(t, res.Region)
+	res.Region.Close()
+	measure("idle (process attached, no work)", 6)
+	l.Procs[res.Slot].Waiting.Store(1)
+	measure("active (a thread waits, 1 ms ticks)", 25)
+}
+
+func benchmarkTick(b *testing.B, n int) {
+	env := newEnv(b, withMaxInstances(n))
+	e, err := New(env.cfg, 0)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer e.Close()
+	for range n {
+		if _, err := e.Create(tree(os.Getpid(), 1, 1)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	e.mu.Lock()
+	for k, in := range e.list {
+		for s := range 4 {
+			in.reg.Proc(s).Claim(uint32(os.Getpid()), 1)
+			in.setUsed(s)
+		}
+		in.reg.Proc(0).Waiting.Store(uint32(k % 2))
+	}
+	e.mu.Unlock()
+	b.ReportAllocs()
+	for b.Loop() {
+		e.mu.Lock()
+		for _, in := range e.list {
+			in.reg.Proc(1).GPUNs.Add(1000)
+		}
+		e.mu.Unlock()
+		e.tick()
+	}
+}
+
+func BenchmarkTick16(b *testing.B) { benchmarkTick(b, 16) }
+func BenchmarkTick64(b *testing.B) { benchmarkTick(b, 64) }

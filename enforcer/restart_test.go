@@ -1,0 +1,209 @@
+package enforcer
+
+import (
+	"bytes"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/enforcer/attach"
+	"github.com/mgpu-dev/mgpu/enforcer/region"
+)
+
+// daemon is mgpu-enforcer (Command) running in a subprocess: the test
+// binary re-executed in the enforcer role.
+type daemon struct {
+	cmd    *exec.Cmd
+	stderr *bytes.Buffer
+}
+
+func startDaemon(t *testing.T, env *testEnv) *daemon {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	cmd.Env = append(os.Environ(), "MGPU_TEST_ROLE="+roleEnforcer,
+		"MGPU_TEST_ARGS=--device 0 --config "+env.cfgPath+" --log-level debug")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	d := &daemon{cmd: cmd, stderr: &stderr}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		if t.Failed() {
+			t.Logf("enforcer stderr:\n%s", stderr.String())
+		}
+	})
+	c := env.client()
+	eventually(t, 10*time.Second, "enforcer answers", func() bool {
+		_, err := c.Device(ctx)
+		return err == nil
+	})
+	return d
+}
+
+// TestKillAndRestart: kill -9 of the enforcer, then a new one restores the
+// instance, re-adopts the attached process's slot (bumping
+// enforcer_epoch), keeps its counters, and still grants it.
+func TestKillAndRestart(t *testing.T) {
+	env := newEnv(t, nil)
+	d := startDaemon(t, env)
+	c := env.client()
+	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
+		t.Fatal(err)
+	}
+	sl := startSleeper(t, nil)
+	if _, err := c.Create(ctx, tree(sl.Process.Pid, 10, 10)); err != nil {
+		t.Fatal(err)
+	}
+	res, err := attach.Dial(api.ClientSocket(env.runDir()), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(int(res.Region.Fd()), 0, region.FileSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	res.Region.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	l := layoutOf(mem)
+	p := &l.Procs[res.Slot]
+	epoch := l.EnforcerEpoch.Load()
+	// Act like the shim: work measured, memory reserved, a thread waiting.
+	p.GPUNs.Store(7e6)
+	p.Launches.Store(70)
+	p.MemReserved.Store(512 << 20)
+	p.Waiting.Store(1)
+	eventually(t, 5*time.Second, "grant before the kill", func() bool { return l.Grant.Load() != 0 })
+
+	if err := d.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	_ = d.cmd.Wait()
+	// The sleeper's tree dies while no enforcer runs.
+	_ = sl.Process.Kill()
+	_ = sl.Wait()
+	p.Waiting.Store(0)
+	l.Grant.Store(0) // as if the dead enforcer had revoked it
+
+	startDaemon(t, env)
+	list, err := c.List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list) != 1 || list[0].Name != "mgpu0inst0" || list[0].Processes != 1 || list[0].Core != 40 {
+		t.Fatalf("restored %+v", list)
+	}
+	if got := l.EnforcerEpoch.Load(); got != epoch+1 {
+		t.Fatalf("enforcer_epoch %d, want %d", got, epoch+1)
+	}
+	if p.PID.Load() != uint32(os.Getpid()) || p.MemReserved.Load() != 512<<20 {
+		t.Fatalf("slot lost: pid %d mem %d", p.PID.Load(), p.MemReserved.Load())
+	}
+	stats, _ := c.Stats(ctx)
+	if stats[0].GPUNs != 7e6 || stats[0].MemoryUsedBytes != 512<<20 {
+		t.Fatalf("stats after restart %+v", stats[0])
+	}
+	// The attached process keeps working: it waits, and is granted.
+	p.Waiting.Store(1)
+	eventually(t, 5*time.Second, "grant after the restart", func() bool { return l.Grant.Load() != 0 })
+	hb := l.HeartbeatNs.Load()
+	eventually(t, 5*time.Second, "heartbeat moves", func() bool { return l.HeartbeatNs.Load() > hb })
+	if dev, _ := c.Device(ctx); dev.EnforcerEpoch < 2 {
+		t.Fatalf("device epoch %d", dev.EnforcerEpoch)
+	}
+}
+
+func TestSignalShutdownKeepsInstances(t *testing.T) {
+	env := newEnv(t, nil)
+	d := startDaemon(t, env)
+	c := env.client()
+	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.cmd.Wait(); err != nil {
+		t.Fatalf("exit after SIGTERM: %v\n%s", err, d.stderr)
+	}
+	if _, err := os.Stat(api.ControlSocket(env.runDir())); !os.IsNotExist(err) {
+		t.Fatalf("control socket left behind: %v", err)
+	}
+	if _, err := os.Stat(env.runDir() + "/regions/mgpu0inst0"); err != nil {
+		t.Fatalf("region gone: %v", err)
+	}
+	if _, err := c.List(ctx); err == nil || !strings.Contains(err.Error(), "not running") {
+		t.Fatalf("list without enforcer: %v", err)
+	}
+	startDaemon(t, env)
+	if l, _ := c.List(ctx); len(l) != 1 {
+		t.Fatalf("after restart %+v", l)
+	}
+}
+
+func TestCorruptStateBinaryOneLine(t *testing.T) {
+	env := newEnv(t, nil)
+	_ = os.MkdirAll(env.cfg.DeviceStateDir(0), 0o700)
+	if err := os.WriteFile(env.statePath(), []byte("{garbage"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "MGPU_TEST_ROLE="+roleEnforcer, "MGPU_TEST_ARGS=--device 0 --config "+env.cfgPath)
+	out, err := cmd.CombinedOutput()
+	if err == nil {
+		t.Fatal("started with a corrupt state file")
+	}
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	if len(lines) != 1 || !strings.HasPrefix(lines[0], "mgpu-enforcer: state file "+env.statePath()+" is corrupt") {
+		t.Fatalf("output %q", out)
+	}
+}
+
+// TestPolicyChangeWaitsForEmpty: a config that changes the policy of a
+// device with instances is refused at restart; the device keeps its policy
+// until it is empty, then switches.
+func TestPolicyChangeWaitsForEmpty(t *testing.T) {
+	env := newEnv(t, nil)
+	_, stop := env.start(t)
+	c := env.client()
+	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
+		t.Fatal(err)
+	}
+	stop()
+	env.writeConfig(t, withPolicy("native-burst-share"))
+	e, _ := env.start(t)
+	dev, err := c.Device(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dev.Policy != "fixed-share" || dev.ConfiguredPolicy != "native-burst-share" || dev.Instances != 1 {
+		t.Fatalf("device %+v", dev)
+	}
+	// New instances are admitted under the running policy.
+	if _, err := c.Create(ctx, api.CreateRequest{Kind: api.KindProcessTree, PID: os.Getpid(), Policy: "native-burst-share", Core: 10, MemoryMiB: 1}); err == nil ||
+		err.Error() != "device 0 runs fixed-share, process tree asks native-burst-share" {
+		t.Fatalf("create under the old policy: %v", err)
+	}
+	if _, err := c.Destroy(ctx, "mgpu0inst0"); err != nil {
+		t.Fatal(err)
+	}
+	if dev, _ := c.Device(ctx); dev.Policy != "native-burst-share" || dev.PolicyCode != 2 {
+		t.Fatalf("after empty: %+v", dev)
+	}
+	// SIGHUP-style reload on an empty device applies at once.
+	env.writeConfig(t, withPolicy("guaranteed-burst-share"))
+	if err := e.Reload(env.cfg); err != nil {
+		t.Fatal(err)
+	}
+	if dev, _ := c.Device(ctx); dev.Policy != "guaranteed-burst-share" {
+		t.Fatalf("after reload: %+v", dev)
+	}
+}

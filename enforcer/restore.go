@@ -1,0 +1,207 @@
+package enforcer
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/enforcer/region"
+	"github.com/mgpu-dev/mgpu/internal/config"
+)
+
+// restore loads the instance table and re-adopts every instance whose
+// processes live: its region is re-opened (or made anew when it is gone),
+// enforcer_epoch is bumped, live slots are watched again and dead ones
+// reaped. A device whose config changed its settings keeps the ones its
+// instances run under until it is empty.
+func (e *Enforcer) restore() error {
+	st, err := loadState(e.statePth, e.index)
+	if err != nil {
+		return err
+	}
+	e.configured = e.cfg.Device(e.index)
+	e.settings = e.configured
+	if st != nil && len(st.Instances) > 0 {
+		running := e.configured
+		running.ComputePolicy = st.Policy
+		running.ComputeTimeslice = st.TimesliceMS
+		running.ComputeTimesliceNativeBurst = st.NativeSliceUS
+		if running != e.configured {
+			e.o.log.Warn(fmt.Sprintf("device %d: the config's change to %s (compute_timeslice %d, compute_timeslice_native_burst %d) is refused while %d instances run under %s (compute_timeslice %d, compute_timeslice_native_burst %d); it takes effect when the device is empty",
+				e.index, e.configured.ComputePolicy, e.configured.ComputeTimeslice, e.configured.ComputeTimesliceNativeBurst,
+				len(st.Instances), running.ComputePolicy, running.ComputeTimeslice, running.ComputeTimesliceNativeBurst))
+		}
+		e.settings = running
+	}
+	if st != nil {
+		e.epoch = st.Epoch
+	}
+	e.epoch++
+	e.arb = e.newArbiter()
+	if st != nil {
+		sameBoot := st.BootID == "" || e.bootID == "" || st.BootID == e.bootID
+		for _, si := range st.Instances {
+			if err := e.adopt(si, sameBoot); err != nil {
+				return err
+			}
+		}
+	}
+	e.removeStrayRegions()
+	if len(e.list) == 0 {
+		e.applyPendingLocked()
+	}
+	e.restored = true
+	return e.save()
+}
+
+func (e *Enforcer) adopt(si stateInstance, sameBoot bool) error {
+	in := newInstance()
+	in.id, in.name, in.kind, in.containerID = si.ID, si.Name, si.Kind, si.ContainerID
+	in.pid, in.startTime, in.pidNS, in.cgroup = si.PID, si.StartTime, si.PidNS, si.Cgroup
+	in.policy, in.core, in.memMiB, in.created = si.Policy, si.Core, si.MemoryMiB, si.Created
+	in.reapedGPU, in.reapedThrottled, in.reapedLaunches = si.ReapedGPUNs, si.ReapedThrottledNs, si.ReapedLaunches
+	in.path = filepath.Join(e.regions, in.name)
+	rootAlive := sameBoot && e.alive(in.pid, in.startTime)
+
+	reg, err := region.Open(in.path)
+	if err == nil && reg.Params() != e.params(in) {
+		_ = reg.Close()
+		err = fmt.Errorf("region %s: %w: header %+v does not match the instance", in.path, region.ErrInvalid, reg.Params())
+	}
+	if err != nil {
+		if !rootAlive {
+			_ = os.Remove(in.path)
+			e.o.log.Info("released", "instance", in.name, "container", in.containerID, "reason", "its processes are gone")
+			return nil
+		}
+		e.o.log.Warn("region unusable; creating it anew (processes attached to the old one must restart)", "instance", in.name, "err", err)
+		_ = os.Remove(in.path)
+		if reg, err = region.Create(in.path, e.params(in)); err != nil {
+			return err
+		}
+	}
+	in.reg = reg
+	reg.L().EnforcerEpoch.Add(1)
+	for i := range region.MaxProcs {
+		p := reg.Proc(i)
+		pid := int(p.PID.Load())
+		if pid == 0 {
+			continue
+		}
+		if sameBoot {
+			if fd, err := e.pidfd(pid, p.StartTime.Load()); err == nil {
+				in.setUsed(i)
+				in.slotFD[i] = fd
+				e.watches[fd] = watchRef{in: in, slot: i}
+				if err := e.w.add(fd); err != nil {
+					e.o.log.Warn("watch process", "pid", pid, "err", err)
+				}
+				continue
+			}
+		}
+		in.fold(p)
+		p.Clear()
+	}
+	if rootAlive {
+		if fd, err := e.pidfd(in.pid, in.startTime); err == nil {
+			in.rootFD = fd
+			e.watches[fd] = watchRef{in: in, slot: -1}
+			if err := e.w.add(fd); err != nil {
+				e.o.log.Warn("watch process", "pid", in.pid, "err", err)
+			}
+		} else {
+			rootAlive = false
+		}
+	}
+	if !rootAlive {
+		in.rootGone = true
+		if in.nused == 0 {
+			_ = reg.Close()
+			_ = os.Remove(in.path)
+			e.o.log.Info("released", "instance", in.name, "container", in.containerID, "reason", "its processes are gone")
+			return nil
+		}
+	}
+	e.insertLocked(in)
+	e.o.log.Info("restored", "instance", in.name, "container", in.containerID, "processes", in.nused)
+	return nil
+}
+
+// removeStrayRegions deletes region files of no instance (a crash between
+// creating a region and writing the state).
+func (e *Enforcer) removeStrayRegions() {
+	ents, err := os.ReadDir(e.regions)
+	if err != nil {
+		return
+	}
+	for _, ent := range ents {
+		dev, id, err := api.ParseInstanceName(ent.Name())
+		if err == nil && dev == e.index && e.byID[id] != nil {
+			continue
+		}
+		p := filepath.Join(e.regions, ent.Name())
+		if err := os.Remove(p); err == nil {
+			e.o.log.Info("removed stray region", "path", p)
+		}
+	}
+}
+
+// save writes the instance table atomically. Concurrent callers are
+// ordered: an older snapshot never overwrites a newer one.
+func (e *Enforcer) save() error {
+	e.mu.Lock()
+	st := stateFile{
+		Version: StateVersion, Device: e.index, BootID: e.bootID, Epoch: e.epoch,
+		Policy: e.settings.ComputePolicy, TimesliceMS: e.settings.ComputeTimeslice,
+		NativeSliceUS: e.settings.ComputeTimesliceNativeBurst,
+		Instances:     make([]stateInstance, 0, len(e.list)),
+	}
+	for _, in := range e.list {
+		st.Instances = append(st.Instances, in.record())
+	}
+	e.saveSeq++
+	seq := e.saveSeq
+	e.mu.Unlock()
+	data, err := json.MarshalIndent(&st, "", "  ")
+	if err != nil {
+		return err
+	}
+	data = append(data, '\n')
+	e.saveMu.Lock()
+	defer e.saveMu.Unlock()
+	if seq <= e.savedAt {
+		return nil
+	}
+	if err := writeFileAtomic(e.statePth, data); err != nil {
+		return fmt.Errorf("write state %s: %w", e.statePth, err)
+	}
+	e.savedAt = seq
+	return nil
+}
+
+// Reload takes a re-read configuration (SIGHUP). max_instances applies at
+// once; policy and time slices apply at once when the device is empty and
+// otherwise when it becomes empty, never under running instances.
+// Everything else (directories, backend, devices) needs a restart.
+func (e *Enforcer) Reload(cfg *config.Config) error {
+	if cfg == nil {
+		return errors.New("reload: no configuration")
+	}
+	next := cfg.Device(e.index)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.configured = next
+	e.settings.MaxInstances = next.MaxInstances
+	if len(e.list) == 0 {
+		e.applyPendingLocked()
+		return nil
+	}
+	if e.settings != e.configured {
+		e.o.log.Warn(fmt.Sprintf("device %d: the config's change to %s is refused while %d instances run under %s; it takes effect when the device is empty",
+			e.index, next.ComputePolicy, len(e.list), e.settings.ComputePolicy))
+	}
+	return nil
+}

@@ -1,0 +1,158 @@
+package enforcer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// watcher waits, with epoll, for pidfds to become readable (their process
+// exited). An eventfd wakes it for shutdown.
+type watcher struct {
+	ep, ev int
+}
+
+func newWatcher() (*watcher, error) {
+	ep, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("epoll_create1: %w", err)
+	}
+	ev, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		_ = unix.Close(ep)
+		return nil, fmt.Errorf("eventfd: %w", err)
+	}
+	w := &watcher{ep: ep, ev: ev}
+	if err := w.add(ev); err != nil {
+		w.close()
+		return nil, err
+	}
+	return w, nil
+}
+
+func (w *watcher) add(fd int) error {
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)} //nolint:gosec // fds fit in int32
+	if err := unix.EpollCtl(w.ep, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
+		return fmt.Errorf("epoll_ctl: %w", err)
+	}
+	return nil
+}
+
+// stop wakes a pending wait so that watch returns.
+func (w *watcher) stop() {
+	var one = [8]byte{1}
+	_, _ = unix.Write(w.ev, one[:])
+}
+
+func (w *watcher) close() {
+	_ = unix.Close(w.ev)
+	_ = unix.Close(w.ep)
+}
+
+// watch reaps slots and instances as their processes exit, and sweeps
+// every o.sweep for what no pidfd watches.
+func (e *Enforcer) watch(ctx context.Context) {
+	events := make([]unix.EpollEvent, 64)
+	exited := make([]int, 0, 64)
+	nextSweep := time.Now().Add(e.o.sweep)
+	for ctx.Err() == nil {
+		ms := max(0, int(time.Until(nextSweep)/time.Millisecond)) + 1
+		n, err := unix.EpollWait(e.w.ep, events, ms)
+		if err != nil && !errors.Is(err, unix.EINTR) {
+			e.o.log.Error("epoll_wait", "err", err)
+			return
+		}
+		exited = exited[:0]
+		for _, ev := range events[:max(n, 0)] {
+			if int(ev.Fd) == e.w.ev {
+				return
+			}
+			exited = append(exited, int(ev.Fd))
+		}
+		changed := false
+		if len(exited) > 0 {
+			e.mu.Lock()
+			for _, fd := range exited {
+				changed = e.exitedLocked(fd) || changed
+			}
+			e.mu.Unlock()
+		}
+		if !time.Now().Before(nextSweep) {
+			changed = e.sweep() || changed
+			nextSweep = time.Now().Add(e.o.sweep)
+		}
+		if changed {
+			if err := e.save(); err != nil {
+				e.o.log.Error("write state", "err", err)
+			}
+			e.kickLoop()
+		}
+	}
+}
+
+// exitedLocked handles a readable pidfd: the process it stands for exited.
+func (e *Enforcer) exitedLocked(fd int) bool {
+	ref, ok := e.watches[fd]
+	if !ok {
+		return false
+	}
+	in := ref.in
+	if ref.slot < 0 {
+		delete(e.watches, fd)
+		_ = unix.Close(fd)
+		in.rootFD = -1
+		in.rootGone = true
+	} else {
+		e.reapSlotLocked(in, ref.slot)
+	}
+	if in.rootGone && in.nused == 0 {
+		e.releaseLocked(in, "its processes are gone")
+	}
+	return true
+}
+
+// reapSlotLocked frees slot i: its counters are folded into the instance's
+// totals and zeroed (its reserved memory is released with them).
+func (e *Enforcer) reapSlotLocked(in *instance, i int) {
+	if !in.slotUsed(i) {
+		return
+	}
+	if fd := in.slotFD[i]; fd >= 0 {
+		delete(e.watches, fd)
+		_ = unix.Close(fd)
+		in.slotFD[i] = -1
+	}
+	p := in.reg.Proc(i)
+	e.o.log.Debug("reaped", "instance", in.name, "slot", i, "pid", p.PID.Load(), "gpu_ns", p.GPUNs.Load())
+	in.fold(p)
+	p.Clear()
+	in.clearUsed(i)
+}
+
+// sweep checks, through /proc, what has no pidfd (pidfd_open failed).
+func (e *Enforcer) sweep() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	changed := false
+	for _, in := range append([]*instance(nil), e.list...) {
+		if !in.rootGone && in.rootFD < 0 && !e.alive(in.pid, in.startTime) {
+			in.rootGone = true
+			changed = true
+		}
+		in.forSlots(func(i int) {
+			p := in.reg.Proc(i)
+			if in.slotFD[i] < 0 && !e.alive(int(p.PID.Load()), p.StartTime.Load()) {
+				e.reapSlotLocked(in, i)
+				changed = true
+			}
+		})
+		if in.rootGone && in.nused == 0 {
+			e.releaseLocked(in, "its processes are gone")
+			changed = true
+		}
+	}
+	return changed
+}
