@@ -158,8 +158,8 @@ func TestCreateSameQuotaOnEveryDevice(t *testing.T) {
 	}
 }
 
+// Not parallel: urfave/cli shares its help flag between apps.
 func TestMainTimesOutOnSilentStdin(t *testing.T) {
-	t.Parallel()
 	r, w, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)
@@ -180,8 +180,8 @@ func TestMainTimesOutOnSilentStdin(t *testing.T) {
 	}
 }
 
+// Not parallel: urfave/cli shares its help flag between apps.
 func TestMainUsage(t *testing.T) {
-	t.Parallel()
 	for _, args := range [][]string{{}, {"frob"}, {"--nope", "create"}, {"--timeout", "0s", "create"}} {
 		var out, errb strings.Builder
 		rc := Main(append([]string{"mgpu-hook"}, args...), strings.NewReader(""), &out, &errb)
