@@ -36,6 +36,9 @@ func TestMain(m *testing.M) {
 	root = filepath.Clean(filepath.Join(wd, "..", ".."))
 	build := filepath.Join(root, "build")
 	shimLib = filepath.Join(build, "lib", "libmgpu-shim.so")
+	if p := os.Getenv("MGPU_TEST_SHIM"); p != "" { // a debugging build of the shim
+		shimLib = p
+	}
 	asanLib = filepath.Join(build, "lib", "asan", "libmgpu-shim.so")
 	fakeDir = filepath.Join(build, "fakecuda")
 	workload = filepath.Join(build, "bin", "mgpu-workload")

@@ -231,7 +231,6 @@ struct mgpu_dev *_Atomic mgpu_fast_dev;
 unsigned mgpu_generation;
 static struct mgpu_dev g_devs[MGPU_MAX_DEVICES];
 static int g_ndevs;        /* ordinals 0..g_ndevs-1 */
-static pid_t g_attached_pid;
 static _Atomic int g_fast_checked;
 
 static void reset_attachment(void)
@@ -506,26 +505,16 @@ static enum mgpu_state do_attach(void)
         attached++;
     }
     g_ndevs = n;
-    g_attached_pid = getpid();
     return MGPU_ST_READY;
 }
 
 enum mgpu_state mgpu_ensure(void)
 {
+    /* A forked child starts at MGPU_ST_NONE again: the pthread_atfork child
+     * handler (registered on first use) drops the parent's attachment. */
     int s = atomic_load_explicit(&mgpu_state_now, memory_order_acquire);
-    if (MGPU_LIKELY(s != MGPU_ST_NONE)) {
-        if (s != MGPU_ST_READY || MGPU_LIKELY(g_attached_pid == getpid()))
-            return (enum mgpu_state)s;
-        /* A child made without fork() (no atfork handler ran): never touch
-         * the parent's slot. */
-        pthread_mutex_lock(&g_init_mu);
-        if (g_attached_pid != getpid()) {
-            reset_attachment();
-            mgpu_mem_reset_after_fork();
-            mgpu_launch_reset_after_fork();
-        }
-        pthread_mutex_unlock(&g_init_mu);
-    }
+    if (MGPU_LIKELY(s != MGPU_ST_NONE))
+        return (enum mgpu_state)s;
     pthread_once(&g_atfork_once, register_atfork);
     pthread_mutex_lock(&g_init_mu);
     s = atomic_load_explicit(&mgpu_state_now, memory_order_relaxed);

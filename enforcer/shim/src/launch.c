@@ -7,22 +7,22 @@
  * stream enters about once per 0.25-0.5 ms of GPU work.
  *
  * Measured GPU time.  Per stream, launches are grouped into batches of
- * per_mark launches.  A batch ends with a "mark": a timing event recorded
- * after its last launch.  It starts either at the previous batch's mark
- * (the stream was still busy) or at a fresh "busy start" event recorded just
- * before its first launch (the stream was idle: every earlier mark had
- * completed).  When a mark completes, elapsed(start, mark) is added to the
- * slot's gpu_ns, and the mean GPU time per launch is updated; per_mark adapts
- * so that marks are about MGPU_TARGET_MARK_NS of GPU time apart.
+ * per_mark launches.  A batch starts with a timing event recorded just before
+ * its first launch (it completes when the stream reaches it: at the end of
+ * the previous work if the stream was busy, at once if it was idle, so idle
+ * time before the batch is never counted) and ends with a "mark", a timing
+ * event recorded after its last launch.  Completed batches are placed on one
+ * GPU timeline per device (elapsed time from an anchor event) and gpu_ns
+ * grows by the part of each batch not already covered by another batch of
+ * the process: two streams of one process that time-share the GPU are
+ * counted once.  The mean GPU time per launch adapts per_mark so that marks
+ * are about MGPU_TARGET_MARK_NS of GPU time apart.
  *
  * Bounded queue.  queued_ns is (launches submitted, not known complete) x
  * (mean GPU time per launch), summed over the process's streams on the
  * device.  Before a launch would take it over max_queued_ns, the launching
  * thread waits on the stream's oldest outstanding mark (cuEventSynchronize).
- *
- * Event ownership: a batch's start event is released when its mark is
- * processed; a mark's event is released either as the next batch's start
- * (when that batch is processed) or when the next batch starts fresh.
+ * Synchronisation calls end the open batches so that their time is counted.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -49,7 +49,8 @@
 struct mark {
     CUevent ref; /* where the batch started */
     CUevent end; /* recorded after its last launch */
-    uint64_t at; /* stream launch count at the mark */
+    uint64_t at;     /* stream launch count at the mark */
+    uint64_t est_at; /* est_total at the mark */
 };
 
 struct sstate {
@@ -66,21 +67,122 @@ struct sstate {
     /* under mgpu_acct_mu */
     uint64_t marked;    /* launch count at the newest mark */
     uint64_t completed; /* launch count at the newest completed mark */
-    CUevent last_end;   /* the newest mark's event, until released */
     CUevent batch_ref;  /* start of the open batch; NULL: none open */
     struct mark ring[MGPU_RING];
     unsigned head, count;
     CUevent pool[MGPU_POOL];
     unsigned npool, nevents;
-    uint64_t avg_ns; /* mean GPU time per launch; 0: not measured yet */
+    uint64_t avg_ns;  /* mean GPU time per launch; 0: not measured yet */
     uint64_t per_mark;
     uint64_t queued_ns; /* this stream's part of the device's queued_ns */
+    /* queued_ns counts each launch at the estimate in force when it was
+     * admitted (est_total), so a later change of the estimate cannot take
+     * the queue over the bound after the fact. */
+    uint64_t cur_est;   /* GPU time per launch assumed for new launches */
+    uint64_t est_total; /* sum of estimates of launches up to 'folded' */
+    uint64_t folded;
+    uint64_t est_done; /* est_total at the newest completed mark */
 };
 
 pthread_mutex_t mgpu_acct_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct sstate *g_streams; /* under mgpu_acct_mu; never freed */
 static unsigned g_nstreams;
 static uint64_t g_dev_queued[MGPU_MAX_DEVICES]; /* by ordinal, under mgpu_acct_mu */
+
+/* The process's GPU timeline on one device: an anchor event and the busy
+ * intervals seen recently (disjoint, sorted), under mgpu_acct_mu. */
+#define MGPU_BUSY_SPANS 128
+#define MGPU_REANCHOR_NS 1000000000ull
+struct gclock {
+    CUevent anchor;
+    uint64_t anchor_ns;
+    uint64_t floor; /* everything before is treated as counted */
+    unsigned n;
+    uint64_t s[MGPU_BUSY_SPANS], e[MGPU_BUSY_SPANS];
+};
+static struct gclock g_clock[MGPU_MAX_DEVICES];
+
+/* Adds [s, e) to the busy set; returns the part not covered before. */
+static uint64_t busy_add(struct gclock *c, uint64_t s, uint64_t e)
+{
+    if (s < c->floor)
+        s = c->floor;
+    if (e <= s)
+        return 0;
+    unsigned i = 0;
+    while (i < c->n && c->e[i] < s)
+        i++;
+    unsigned j = i;
+    uint64_t covered = 0, ns = s, ne = e;
+    while (j < c->n && c->s[j] <= e) {
+        uint64_t lo = c->s[j] > s ? c->s[j] : s, hi = c->e[j] < e ? c->e[j] : e;
+        if (hi > lo)
+            covered += hi - lo;
+        if (c->s[j] < ns)
+            ns = c->s[j];
+        if (c->e[j] > ne)
+            ne = c->e[j];
+        j++;
+    }
+    /* replace spans [i, j) by [ns, ne) */
+    unsigned tail = c->n - j;
+    if (j == i) {
+        if (c->n == MGPU_BUSY_SPANS) { /* full: forget the oldest span */
+            c->floor = c->e[0];
+            memmove(&c->s[0], &c->s[1], (c->n - 1) * sizeof c->s[0]);
+            memmove(&c->e[0], &c->e[1], (c->n - 1) * sizeof c->e[0]);
+            c->n--;
+            if (i > 0)
+                i--;
+            j = i;
+        }
+        memmove(&c->s[i + 1], &c->s[i], tail * sizeof c->s[0]);
+        memmove(&c->e[i + 1], &c->e[i], tail * sizeof c->e[0]);
+        c->n++;
+    } else if (j > i + 1) {
+        memmove(&c->s[i + 1], &c->s[j], tail * sizeof c->s[0]);
+        memmove(&c->e[i + 1], &c->e[j], tail * sizeof c->e[0]);
+        c->n -= j - i - 1;
+    }
+    c->s[i] = ns;
+    c->e[i] = ne;
+    return (e - s) - covered;
+}
+
+static int elapsed_ns(CUevent a, CUevent b, int64_t *out)
+{
+    float ms = 0;
+    if (REAL(cuEventElapsedTime)(&ms, a, b) != CUDA_SUCCESS)
+        return -1;
+    *out = (int64_t)((double)ms * 1e6 + (ms >= 0 ? 0.5 : -0.5));
+    return 0;
+}
+
+/* GPU time of a completed batch [ref, end] not yet counted for the process.
+ * May keep ref or end as the device's anchor (*kept says which). */
+static uint64_t batch_time(struct sstate *ss, CUevent ref, CUevent end, uint64_t dur, int *kept)
+{
+    struct gclock *c = &g_clock[ss->dev->ordinal];
+    *kept = 0;
+    if (!c->anchor) {
+        c->anchor = ref;
+        c->anchor_ns = 1;
+        *kept = 1;
+    }
+    int64_t a;
+    if (elapsed_ns(c->anchor, ref, &a) || (int64_t)c->anchor_ns + a < 0)
+        return dur; /* not on this timeline (another context): count it whole */
+    uint64_t s = (uint64_t)((int64_t)c->anchor_ns + a);
+    uint64_t add = busy_add(c, s, s + dur);
+    if (s - c->anchor_ns > MGPU_REANCHOR_NS && *kept == 0) {
+        /* keep timeline offsets small so float milliseconds stay precise */
+        REAL(cuEventDestroy_v2)(c->anchor);
+        c->anchor = end;
+        c->anchor_ns = s + dur;
+        *kept = 2;
+    }
+    return add;
+}
 
 struct tl_ent {
     struct mgpu_dev *dev;
@@ -139,11 +241,12 @@ static void ss_reset(struct sstate *ss)
     atomic_store(&ss->check_at, 1);
     atomic_store(&ss->capturing, 0);
     ss->marked = ss->completed = 0;
-    ss->last_end = ss->batch_ref = NULL;
+    ss->batch_ref = NULL;
     ss->head = ss->count = ss->npool = ss->nevents = 0;
     ss->avg_ns = 0;
     ss->per_mark = 1;
     ss->queued_ns = 0;
+    ss->cur_est = ss->est_total = ss->folded = ss->est_done = 0;
     ss->gen = mgpu_generation;
 }
 
@@ -155,11 +258,19 @@ static uint64_t target_mark_ns(const struct mgpu_dev *d)
     return t ? t : 1;
 }
 
-static void set_queued(struct sstate *ss)
+static void fold(struct sstate *ss, uint64_t upto)
 {
-    uint64_t sub = atomic_load_explicit(&ss->submitted, memory_order_relaxed);
-    uint64_t out = sub > ss->completed ? sub - ss->completed : 0;
-    uint64_t q = out * ss->avg_ns;
+    if (upto > ss->folded) {
+        ss->est_total += (upto - ss->folded) * ss->cur_est;
+        ss->folded = upto;
+    }
+}
+
+/* pending: launches counted in submitted but not admitted yet (the caller's). */
+static void set_queued(struct sstate *ss, uint64_t pending)
+{
+    fold(ss, atomic_load_explicit(&ss->submitted, memory_order_relaxed) - pending);
+    uint64_t q = ss->est_total > ss->est_done ? ss->est_total - ss->est_done : 0;
     uint64_t *tot = &g_dev_queued[ss->dev->ordinal];
     *tot = *tot - ss->queued_ns + q;
     ss->queued_ns = q;
@@ -167,7 +278,7 @@ static void set_queued(struct sstate *ss)
 }
 
 /* Processes the stream's completed marks, oldest first. */
-static void poll_ss(struct sstate *ss)
+static void poll_ss(struct sstate *ss, uint64_t pending)
 {
     uint64_t gpu = 0;
     while (ss->count) {
@@ -175,18 +286,29 @@ static void poll_ss(struct sstate *ss)
         CUresult r = REAL(cuEventQuery)(m->end);
         if (r == CUDA_ERROR_NOT_READY)
             break;
+        int kept = 0;
         if (r == CUDA_SUCCESS && m->ref) {
-            float ms = 0;
-            if (REAL(cuEventElapsedTime)(&ms, m->ref, m->end) == CUDA_SUCCESS && ms > 0) {
-                uint64_t ns = (uint64_t)((double)ms * 1e6 + 0.5);
+            int64_t dur;
+            if (elapsed_ns(m->ref, m->end, &dur) == 0 && dur > 0) {
                 uint64_t n = m->at > ss->completed ? m->at - ss->completed : 1;
-                uint64_t sample = ns / n;
+                uint64_t sample = (uint64_t)dur / n;
+                /* damp outliers (a batch delayed by something else) */
+                if (ss->avg_ns && sample > 2 * ss->avg_ns)
+                    sample = 2 * ss->avg_ns;
                 ss->avg_ns = ss->avg_ns ? (3 * ss->avg_ns + sample + 2) / 4 : (sample ? sample : 1);
-                gpu += ns;
+                gpu += batch_time(ss, m->ref, m->end, (uint64_t)dur, &kept);
             }
         }
         ss->completed = m->at > ss->completed ? m->at : ss->completed;
-        ev_put(ss, m->ref);
+        ss->est_done = m->est_at > ss->est_done ? m->est_at : ss->est_done;
+        if (kept == 1)
+            ss->nevents--; /* the anchor left the pool */
+        else
+            ev_put(ss, m->ref);
+        if (kept == 2)
+            ss->nevents--;
+        else
+            ev_put(ss, m->end);
         ss->head = (ss->head + 1) % MGPU_RING;
         ss->count--;
     }
@@ -195,8 +317,10 @@ static void poll_ss(struct sstate *ss)
     if (ss->avg_ns) {
         uint64_t pm = target_mark_ns(ss->dev) / ss->avg_ns;
         ss->per_mark = pm < 1 ? 1 : pm > MGPU_MAX_PER_MARK ? MGPU_MAX_PER_MARK : pm;
+        fold(ss, atomic_load_explicit(&ss->submitted, memory_order_relaxed) - pending);
+        ss->cur_est = ss->avg_ns;
     }
-    set_queued(ss);
+    set_queued(ss, pending);
 }
 
 /* Waits for the stream's oldest outstanding mark; drops and retakes the lock. */
@@ -209,13 +333,13 @@ static void wait_oldest(struct sstate *ss)
 }
 
 /* Records a mark after launch number at, ending the open batch. */
-static int record_mark(struct sstate *ss, uint64_t at)
+static int record_mark(struct sstate *ss, uint64_t at, uint64_t pending)
 {
     if (!ss->batch_ref)
         return -1;
     while (ss->count == MGPU_RING) {
         wait_oldest(ss);
-        poll_ss(ss);
+        poll_ss(ss, pending);
         if (ss->gen != mgpu_generation)
             return -1;
     }
@@ -226,35 +350,49 @@ static int record_mark(struct sstate *ss, uint64_t at)
         ev_put(ss, e);
         return -1;
     }
+    fold(ss, at);
     unsigned i = (ss->head + ss->count) % MGPU_RING;
-    ss->ring[i] = (struct mark){.ref = ss->batch_ref, .end = e, .at = at};
+    ss->ring[i] = (struct mark){.ref = ss->batch_ref, .end = e, .at = at, .est_at = ss->est_total};
     ss->count++;
-    ss->last_end = e;
     ss->batch_ref = NULL;
     ss->marked = at;
     return 0;
 }
 
-/* How many launches may be outstanding on this stream (including a new one). */
-static uint64_t max_outstanding(const struct sstate *ss)
+/* Room left under max_queued_ns for this stream (UINT64_MAX: unbounded). */
+static uint64_t room(const struct sstate *ss)
 {
     const struct mgpu_dev *d = ss->dev;
     if (!d->max_queued_ns)
         return UINT64_MAX;
-    if (!ss->avg_ns)
-        return 2; /* not measured yet: learn the kernel time first */
     uint64_t others = g_dev_queued[d->ordinal] - ss->queued_ns;
-    uint64_t room = d->max_queued_ns > others ? d->max_queued_ns - others : 0;
-    uint64_t q = room / ss->avg_ns;
-    return q ? q : 1;
+    uint64_t r = d->max_queued_ns > others ? d->max_queued_ns - others : 0;
+    return r > ss->queued_ns ? r - ss->queued_ns : 0;
+}
+
+/* Whether launch n (not yet counted in queued_ns) may go now. */
+static int may_launch(const struct sstate *ss, uint64_t n)
+{
+    uint64_t out = n - 1 > ss->completed ? n - 1 - ss->completed : 0;
+    if (out == 0 || !ss->dev->max_queued_ns)
+        return 1;
+    if (!ss->cur_est)
+        return out < 2; /* not measured yet: learn the kernel time first */
+    return ss->cur_est <= room(ss);
 }
 
 static void set_check(struct sstate *ss, uint64_t n)
 {
     uint64_t next = ss->marked == n ? n + 1 : ss->marked + ss->per_mark;
-    uint64_t q = max_outstanding(ss);
-    if (q != UINT64_MAX && ss->completed + q + 1 < next)
-        next = ss->completed + q + 1;
+    if (ss->dev->max_queued_ns) {
+        uint64_t b;
+        if (!ss->cur_est)
+            b = ss->completed + 2;
+        else
+            b = n + room(ss) / ss->cur_est; /* the first launch that must check again */
+        if (b < next)
+            next = b;
+    }
     if (next <= n)
         next = n + 1;
     atomic_store_explicit(&ss->check_at, next, memory_order_relaxed);
@@ -269,33 +407,25 @@ static void pre_launch(struct sstate *ss, uint64_t n)
         atomic_store(&ss->submitted, n);
         ss->marked = ss->completed = n - 1;
     }
-    poll_ss(ss);
+    poll_ss(ss, 1);
     for (;;) {
-        uint64_t out = n - 1 > ss->completed ? n - 1 - ss->completed : 0;
-        if (out == 0 || out + 1 <= max_outstanding(ss))
+        if (may_launch(ss, n))
             break;
-        if (ss->marked < n - 1 && record_mark(ss, n - 1))
+        if (ss->marked < n - 1 && record_mark(ss, n - 1, 1))
             break;
         if (!ss->count)
             break;
         wait_oldest(ss);
         if (ss->gen != mgpu_generation)
             break;
-        poll_ss(ss);
+        poll_ss(ss, 1);
     }
     if (ss->marked == n - 1 && !ss->batch_ref) {
-        if (ss->count == 0) {
-            /* idle: every earlier mark completed and nothing is unmarked */
-            ev_put(ss, ss->last_end);
-            ss->last_end = NULL;
-            CUevent e = ev_get(ss);
-            if (e && REAL(cuEventRecord)(e, stream_handle(ss)) == CUDA_SUCCESS)
-                ss->batch_ref = e;
-            else
-                ev_put(ss, e);
-        } else {
-            ss->batch_ref = ss->last_end; /* busy: continue from the previous mark */
-        }
+        CUevent e = ev_get(ss);
+        if (e && REAL(cuEventRecord)(e, stream_handle(ss)) == CUDA_SUCCESS)
+            ss->batch_ref = e;
+        else
+            ev_put(ss, e);
     }
     set_check(ss, n);
     pthread_mutex_unlock(&mgpu_acct_mu);
@@ -309,9 +439,9 @@ static void post_launch(struct sstate *ss, uint64_t n, CUresult r)
         uint64_t exp = n;
         atomic_compare_exchange_strong(&ss->submitted, &exp, n - 1);
     } else if (ss->gen == mgpu_generation && n >= ss->marked + ss->per_mark) {
-        record_mark(ss, n);
+        record_mark(ss, n, 0);
     }
-    set_queued(ss);
+    set_queued(ss, 0);
     set_check(ss, n);
     pthread_mutex_unlock(&mgpu_acct_mu);
 }
@@ -324,7 +454,7 @@ static void flush_ss(struct sstate *ss)
     if (ss->key == KEY_PER_THREAD && !pthread_equal(ss->owner, pthread_self()))
         return;
     uint64_t sub = atomic_load_explicit(&ss->submitted, memory_order_relaxed);
-    if (sub > ss->marked && record_mark(ss, sub) == 0)
+    if (sub > ss->marked && record_mark(ss, sub, 0) == 0)
         atomic_store_explicit(&ss->check_at, sub + 1, memory_order_relaxed);
 }
 
@@ -332,7 +462,7 @@ static void poll_all(void)
 {
     for (struct sstate *ss = g_streams; ss; ss = ss->next)
         if (ss->gen == mgpu_generation && ss->count) {
-            poll_ss(ss);
+            poll_ss(ss, 0);
             set_check(ss, atomic_load_explicit(&ss->submitted, memory_order_relaxed));
         }
 }
@@ -343,6 +473,7 @@ void mgpu_launch_reset_after_fork(void)
     for (struct sstate *ss = g_streams; ss; ss = ss->next)
         atomic_store(&ss->check_at, 0); /* the next launch takes the slow path and resets it */
     memset(g_dev_queued, 0, sizeof g_dev_queued);
+    memset(g_clock, 0, sizeof g_clock); /* the anchors belong to the parent's contexts */
 }
 
 /* ---- stream state lookup ---- */
@@ -556,7 +687,7 @@ static CUresult stream_sync(CUstream h, int ptsz, CUresult (*real)(CUstream))
     if (ss) {
         pthread_mutex_lock(&mgpu_acct_mu);
         if (ss->gen == mgpu_generation) {
-            poll_ss(ss);
+            poll_ss(ss, 0);
             set_check(ss, atomic_load_explicit(&ss->submitted, memory_order_relaxed));
         }
         pthread_mutex_unlock(&mgpu_acct_mu);

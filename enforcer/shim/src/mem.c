@@ -121,8 +121,70 @@ static int tab_take(unsigned kind, uint64_t key, struct ent *out)
     return found;
 }
 
+/* ---- stream-ordered frees ----
+ * cuMemFreeAsync frees when the stream gets there: its bytes are given back
+ * only once an event recorded after it has completed, so that the driver
+ * never holds more than the quota. */
+
+struct pending {
+    CUevent ev;
+    struct mgpu_dev *dev;
+    uint64_t size;
+};
+#define MGPU_MAX_PENDING 4096
+static struct pending *g_pend; /* under g_mem_mu */
+static _Atomic size_t g_npend; /* read unlocked as a hint */
+
+/* Gives back the bytes of completed frees; wait: also wait for the others. */
+static void reap_pending(int wait)
+{
+    pthread_mutex_lock(&g_mem_mu);
+    for (size_t i = 0; i < g_npend;) {
+        struct pending p = g_pend[i];
+        CUresult r = REAL(cuEventQuery)(p.ev);
+        if (r == CUDA_ERROR_NOT_READY && wait) /* held: nobody may destroy it meanwhile */
+            r = REAL(cuEventSynchronize)(p.ev);
+        if (r == CUDA_ERROR_NOT_READY) {
+            i++;
+            continue;
+        }
+        REAL(cuEventDestroy_v2)(p.ev);
+        unreserve(p.dev, p.size);
+        g_pend[i] = g_pend[--g_npend];
+    }
+    pthread_mutex_unlock(&g_mem_mu);
+}
+
+static int defer_free(struct mgpu_dev *d, uint64_t size, CUstream h, int ptsz)
+{
+    if (!REAL(cuEventCreate) || !REAL(cuEventRecord))
+        return -1;
+    CUevent ev;
+    if (REAL(cuEventCreate)(&ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS)
+        return -1;
+    if (REAL(cuEventRecord)(ev, h == NULL && ptsz ? CU_STREAM_PER_THREAD : h) != CUDA_SUCCESS) {
+        REAL(cuEventDestroy_v2)(ev);
+        return -1;
+    }
+    int r = -1;
+    pthread_mutex_lock(&g_mem_mu);
+    if (!g_pend)
+        g_pend = calloc(MGPU_MAX_PENDING, sizeof *g_pend);
+    if (g_pend && g_npend < MGPU_MAX_PENDING) {
+        g_pend[g_npend++] = (struct pending){ev, d, size};
+        r = 0;
+    }
+    pthread_mutex_unlock(&g_mem_mu);
+    if (r) {
+        REAL(cuEventSynchronize)(ev);
+        REAL(cuEventDestroy_v2)(ev);
+    }
+    return 0; /* given back now, or later by reap_pending */
+}
+
 void mgpu_mem_reset_after_fork(void)
 {
+    g_npend = 0; /* the parent's events */
     /* The child holds none of its parent's allocations. */
     pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
     g_mem_mu = m;
@@ -150,8 +212,15 @@ static CUresult mem_begin(int ordinal, uint64_t n, struct mgpu_dev **pd)
     struct mgpu_dev *d = ordinal < 0 ? mgpu_current_dev(&err) : mgpu_dev_by_ordinal(ordinal);
     if (!d)
         return err;
-    if (!reserve(d, n))
-        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (g_npend)
+        reap_pending(0);
+    if (!reserve(d, n)) {
+        if (!g_npend)
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        reap_pending(1); /* memory being freed on a stream is free once the stream gets there */
+        if (!reserve(d, n))
+            return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     *pd = d;
     return CUDA_SUCCESS;
 }
@@ -332,14 +401,35 @@ MGPU_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
     FREE_BODY(K_PTR, dptr, REAL(cuMemFree_v2)(dptr));
 }
 
+static CUresult free_async(CUdeviceptr dptr, CUstream h, int ptsz, CUresult (*real)(CUdeviceptr, CUstream))
+{
+    if (mgpu_load_cuda() || !real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    enum mgpu_state s = mgpu_ensure();
+    if (s == MGPU_ST_FAILED)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    struct ent e;
+    int have = s == MGPU_ST_READY && dptr && tab_take(K_PTR, dptr, &e);
+    CUresult r = real(dptr, h);
+    if (have) {
+        if (r != CUDA_SUCCESS) {
+            if (tab_put(&e))
+                unreserve(e.dev, e.size);
+        } else if (defer_free(e.dev, e.size, h, ptsz)) {
+            unreserve(e.dev, e.size);
+        }
+    }
+    return r;
+}
+
 MGPU_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
 {
-    FREE_BODY(K_PTR, dptr, REAL(cuMemFreeAsync)(dptr, hStream));
+    return free_async(dptr, hStream, 0, REAL(cuMemFreeAsync));
 }
 
 MGPU_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
 {
-    FREE_BODY(K_PTR, dptr, REAL(cuMemFreeAsync_ptsz)(dptr, hStream));
+    return free_async(dptr, hStream, 1, REAL(cuMemFreeAsync_ptsz));
 }
 
 MGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
@@ -368,6 +458,8 @@ MGPU_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
     enum mgpu_state s = mgpu_ensure();
     if (s == MGPU_ST_FAILED)
         return CUDA_ERROR_NOT_INITIALIZED;
+    if (g_npend)
+        reap_pending(0);
     CUresult r = REAL(cuMemGetInfo_v2)(free, total);
     if (r != CUDA_SUCCESS || s != MGPU_ST_READY || !free || !total)
         return r;
