@@ -10,7 +10,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 )
 
@@ -115,10 +114,12 @@ func TestInfoReportsQuota(t *testing.T) {
 // over the quota, and reports the quota in cuMemGetInfo.
 func TestQuotaEveryAPI(t *testing.T) {
 	t.Parallel()
-	for _, resolve := range []string{"direct", "proc", "runtime"} {
-		t.Run(resolve, func(t *testing.T) {
+	for _, name := range []string{"direct", "proc", "runtime", "runtime-asan"} {
+		resolve, asan := strings.CutSuffix(name, "-asan")
+		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t)
+			e.asan = asan
 			s := newServer(t, e.run, 0, withQuota(1024))
 			holder, lines, _ := e.bg(workload, "alloc", "--api", "cuMemAlloc_v2", "--mib", "600", "--hold-ms", "-1")
 			waitLine(t, lines, "holding")
@@ -294,5 +295,3 @@ func TestForkedChild(t *testing.T) {
 		})
 	}
 }
-
-var _ = syscall.SIGKILL
