@@ -7,7 +7,8 @@
 # from /var/lib/mgpu/gpuX and the regions under /run/mgpu stay, so running
 # containers keep their quotas. Never touches an engine's configuration
 # (that is `mgpu-cli runtime configure`). Without a running systemd
-# (chroot, container, image build) it only says what to do later.
+# (chroot, container, image build) it only enables the units for the next
+# boot and says so.
 set -e
 
 units="mgpu-enforcers.service mgpu-cdi-refresh.service mgpu-cdi-refresh.path"
@@ -20,21 +21,28 @@ configure) [ -n "${2:-}" ] || first=1 ;;
 abort-upgrade | abort-remove | abort-deconfigure) ;;
 *) exit 0 ;;
 esac
+# Reinstalled after a deb remove (see preremove.sh): a first install again.
+if [ -e /var/lib/mgpu/.package-removed ]; then
+	first=1
+	rm -f /var/lib/mgpu/.package-removed
+fi
+
+if [ -n "$first" ] && command -v systemctl >/dev/null 2>&1; then
+	# Enable what the preset file (/usr/lib/systemd/system-preset/90-mgpu.preset)
+	# enables, unless the administrator's presets say otherwise. This works
+	# without a running systemd too (image builds): it only makes symlinks.
+	# shellcheck disable=SC2086 # a list of unit names
+	systemctl preset $units || :
+fi
 
 if [ ! -d /run/systemd/system ]; then
-	echo "mgpu: systemd is not running here; not starting enforcers or generating the CDI spec."
-	echo "mgpu: on the booted node the units do it (enable them: systemctl preset $units);"
+	echo "mgpu: systemd is not running here; not starting enforcers or generating the CDI spec now."
+	echo "mgpu: on the booted node the units do it ($units);"
 	echo "mgpu: without systemd run 'mgpu-cli cdi generate' and 'mgpu-enforcer --device N' yourself."
 	exit 0
 fi
 
 systemctl daemon-reload || :
-if [ -n "$first" ]; then
-	# Enable what the preset file (/usr/lib/systemd/system-preset/90-mgpu.preset)
-	# enables, unless the administrator's presets say otherwise.
-	# shellcheck disable=SC2086 # a list of unit names
-	systemctl preset $units || :
-fi
 
 # The spec first: containers started from now on need it. A node without a
 # GPU or driver yet gets it at boot (mgpu-cdi-refresh.path also re-runs it

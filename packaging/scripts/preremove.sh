@@ -13,6 +13,15 @@ remove | 0) ;;
 *) exit 0 ;;
 esac
 
+# dpkg keeps the configuration of a removed package and hands its version
+# to the next install's postinst as if it were an upgrade: this marker tells
+# that postinst to enable the units again (they are disabled below). A purge
+# removes it with /var/lib/mgpu.
+if [ "$1" = remove ]; then
+	mkdir -p /var/lib/mgpu
+	: >/var/lib/mgpu/.package-removed
+fi
+
 if [ -d /run/systemd/system ]; then
 	# Stopping mgpu-enforcers.service stops every mgpu-enforcer@N (PartOf=);
 	# the explicit stop covers enforcers started on their own.
@@ -20,6 +29,10 @@ if [ -d /run/systemd/system ]; then
 	systemctl stop 'mgpu-enforcer@*.service' || :
 	systemctl disable mgpu-enforcer@.service || :
 else
+	# Offline: only the symlinks of enabled units go.
+	if command -v systemctl >/dev/null 2>&1; then
+		systemctl disable mgpu-cdi-refresh.path mgpu-cdi-refresh.service mgpu-enforcers.service mgpu-enforcer@.service || :
+	fi
 	echo "mgpu: systemd is not running here; stop any mgpu-enforcer you started yourself."
 fi
 
