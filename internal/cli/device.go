@@ -25,7 +25,10 @@ type Allocation struct {
 
 // allocationOf reports what device dev has allocated. It asks the device's
 // enforcer when one runs; without one, nothing is allocated.
-var allocationOf = func(_ *config.Config, _ device.Info) Allocation { return Allocation{} }
+var allocationOf = func(cfg *config.Config, dev device.Info) Allocation {
+	a, _ := liveAllocation(cfg, dev) // internal/cli/instance.go
+	return a
+}
 
 // DeviceReport is one device's row set of `mgpu-cli device info`, in the
 // seed's field order. docs/cli.md documents each field's meaning in mgpu.
