@@ -59,7 +59,9 @@ func startLiveNode(t *testing.T) *liveNode {
 	return n
 }
 
-func (n *liveNode) client() *api.Client { return api.NewClient(api.ControlSocket(n.cfg.DeviceRunDir(0))) }
+func (n *liveNode) client() *api.Client {
+	return api.NewClient(api.ControlSocket(n.cfg.DeviceRunDir(0)))
+}
 
 func (n *liveNode) run(t *testing.T, args ...string) (string, string, int) {
 	t.Helper()
