@@ -15,9 +15,13 @@ import (
 )
 
 // Proc is one process that used a device; exited processes stay listed
-// (Alive false, memory returned) until Reset.
+// (Alive false, memory returned) until Reset. PID is the process's pid in its
+// own pid namespace, PIDNS that namespace's inode (of /proc/<pid>/ns/pid; 0
+// when the process could not read it): processes of different containers may
+// have the same PID, never the same PIDNS and PID.
 type Proc struct {
 	PID     int    `json:"pid"`
+	PIDNS   uint64 `json:"pidns"`
 	BusyNs  uint64 `json:"busy_ns"`
 	Kernels uint64 `json:"kernels"`
 	MemUsed uint64 `json:"mem_used"`
@@ -60,6 +64,18 @@ func (d Device) Proc(pid int) (Proc, bool) {
 		}
 	}
 	return found, ok
+}
+
+// BusyNsIn is the GPU time used on the device by every process, alive or
+// exited, of pid namespace pidns (one container).
+func (d Device) BusyNsIn(pidns uint64) uint64 {
+	var t uint64
+	for _, p := range d.Procs {
+		if p.PIDNS == pidns {
+			t += p.BusyNs
+		}
+	}
+	return t
 }
 
 // UUID is the UUID of simulated device index; internal/config.SimUUID

@@ -513,3 +513,72 @@ func TestSanitizerBuild(t *testing.T) {
 	e.workload(0, "fork", "--kernel-us", "1000")
 	e.workload(0, "alloc-churn", "--api", "cuMemAllocAsync", "--mib", "1", "--iterations", "500", "--threads", "2")
 }
+
+// Processes are told apart by pid namespace: a process reports its own pid
+// namespace, and two processes that are both pid 1 of their own namespace
+// (two containers' first processes) get separate entries and busy times.
+func TestPIDNamespaces(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	var self syscall.Stat_t
+	if err := syscall.Stat("/proc/self/ns/pid", &self); err != nil {
+		t.Skipf("no /proc/self/ns/pid: %v", err)
+	}
+	c := e.cmd(e.p.Workload, "compute", "--kernel-us", "1000", "--depth", "2", "--seconds", "0.1")
+	if out, err := c.CombinedOutput(); err != nil {
+		t.Fatalf("workload: %v\n%s", err, out)
+	}
+	d, _ := e.stat().Device(0)
+	if p, ok := d.Proc(c.Process.Pid); !ok || p.PIDNS != self.Ino || p.BusyNs == 0 {
+		t.Fatalf("pid %d: want pidns %d and busy time, got %+v", c.Process.Pid, self.Ino, d.Procs)
+	}
+	if got := d.BusyNsIn(self.Ino); got != d.BusyNs {
+		t.Errorf("BusyNsIn(the test's pidns) = %d, want the device's %d", got, d.BusyNs)
+	}
+
+	unshare, err := exec.LookPath("unshare")
+	if err != nil || os.Geteuid() != 0 {
+		t.Skip("new pid namespaces need root and unshare(1)")
+	}
+	if err := ResetWith(e.p.Ctl, e.state); err != nil {
+		t.Fatal(err)
+	}
+	var cmds []*exec.Cmd
+	var outs []*bytes.Buffer
+	for _, us := range []string{"1000", "3000"} {
+		c := e.cmd(unshare, "--pid", "--fork", "--mount-proc", e.p.Workload,
+			"compute", "--kernel-us", us, "--depth", "2", "--seconds", "0.5")
+		b := &bytes.Buffer{}
+		c.Stdout, c.Stderr = b, b
+		if err := c.Start(); err != nil {
+			t.Fatal(err)
+		}
+		cmds, outs = append(cmds, c), append(outs, b)
+	}
+	for i, c := range cmds {
+		if err := c.Wait(); err != nil {
+			t.Fatalf("unshare workload: %v\n%s", err, outs[i])
+		}
+	}
+	d, _ = e.stat().Device(0)
+	var ones []Proc
+	for _, p := range d.Procs {
+		if p.PID == 1 {
+			ones = append(ones, p)
+		}
+	}
+	if len(ones) != 2 || ones[0].PIDNS == ones[1].PIDNS || ones[0].PIDNS == self.Ino || ones[1].PIDNS == self.Ino ||
+		ones[0].PIDNS == 0 || ones[1].PIDNS == 0 {
+		t.Fatalf("want two pid-1 entries of two new pid namespaces, got %+v", d.Procs)
+	}
+	var sum uint64
+	for _, p := range ones {
+		if got := d.BusyNsIn(p.PIDNS); got != p.BusyNs || got == 0 {
+			t.Errorf("BusyNsIn(%d) = %d, want the entry's %d (> 0)", p.PIDNS, got, p.BusyNs)
+		}
+		sum += p.BusyNs
+	}
+	if sum != d.BusyNs {
+		t.Errorf("the two namespaces used %d ns, the device %d ns", sum, d.BusyNs)
+	}
+}

@@ -89,9 +89,9 @@ static int stat_cmd(void)
             struct fc_proc *p = &snap.procs[i];
             if (p->state == FC_PROC_FREE)
                 continue;
-            printf("%s{\"pid\":%d,\"busy_ns\":%llu,\"kernels\":%llu,\"mem_used\":%llu,\"alive\":%s}", first ? "" : ",",
-                   p->pid, (unsigned long long)p->busy_ns, (unsigned long long)p->kernels,
-                   (unsigned long long)p->mem_used, p->state == FC_PROC_ALIVE ? "true" : "false");
+            printf("%s{\"pid\":%d,\"pidns\":%llu,\"busy_ns\":%llu,\"kernels\":%llu,\"mem_used\":%llu,\"alive\":%s}",
+                   first ? "" : ",", p->pid, (unsigned long long)p->pidns, (unsigned long long)p->busy_ns,
+                   (unsigned long long)p->kernels, (unsigned long long)p->mem_used, p->state == FC_PROC_ALIVE ? "true" : "false");
             first = 0;
         }
         printf("]}");

@@ -329,9 +329,10 @@ static void *keeper_main(void *p)
 {
     struct keeper_arg *a = p;
     int ok = 1;
+    uint64_t pidns = fc_self_pidns();
     for (int k = 0; k < g.ndev; k++) {
         int h = g.host[k];
-        g.proc[h] = fc_proc_register(g.dev[h], (int)getpid());
+        g.proc[h] = fc_proc_register(g.dev[h], (int)getpid(), pidns);
         if (g.proc[h] < 0)
             ok = 0;
     }

@@ -284,7 +284,15 @@ void fc_reap_locked(struct fc_dev *d)
             fc_proc_check_locked(d, i);
 }
 
-int fc_proc_register(struct fc_dev *d, int pid)
+uint64_t fc_self_pidns(void)
+{
+    struct stat st;
+    if (stat("/proc/self/ns/pid", &st))
+        return 0;
+    return (uint64_t)st.st_ino;
+}
+
+int fc_proc_register(struct fc_dev *d, int pid, uint64_t pidns)
 {
     fc_dev_lock(d);
     fc_reap_locked(d);
@@ -316,6 +324,7 @@ int fc_proc_register(struct fc_dev *d, int pid)
         } else {
             p->state = FC_PROC_ALIVE;
             p->pid = pid;
+            p->pidns = pidns;
             p->busy_ns = 0;
             p->mem_used = 0;
             p->kernels = 0;
@@ -471,6 +480,7 @@ void fc_dev_reset(struct fc_dev *d)
         if (p->state == FC_PROC_DEAD) {
             p->state = FC_PROC_FREE;
             p->pid = 0;
+            p->pidns = 0;
         }
     }
     fc_dev_unlock(d);

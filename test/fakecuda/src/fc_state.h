@@ -23,7 +23,7 @@
 #define FC_MAX_PROCS 1024
 #define FC_MAX_WAITERS 256
 #define FC_MAGIC 0x41445543454b4146ULL /* "FAKECUDA" */
-#define FC_LAYOUT 1
+#define FC_LAYOUT 2
 #define FC_NAME_LEN 96
 
 enum { FC_PROC_FREE = 0, FC_PROC_ALIVE = 1, FC_PROC_DEAD = 2 };
@@ -33,7 +33,8 @@ struct fc_proc {
      * trylock == EBUSY means alive; EOWNERDEAD (or success) means it died. */
     pthread_mutex_t alive;
     int32_t state;
-    int32_t pid;
+    int32_t pid;    /* getpid() in the process's own pid namespace */
+    uint64_t pidns; /* inode of its /proc/self/ns/pid (0: unknown) */
     uint64_t busy_ns;
     uint64_t mem_used;
     uint64_t kernels;
@@ -92,9 +93,15 @@ int fc_proc_check_locked(struct fc_dev *d, int i);
 /* With d->mu held: reaps every dead process entry. */
 void fc_reap_locked(struct fc_dev *d);
 
+/* Inode of the calling process's pid namespace (/proc/self/ns/pid), or 0
+ * when it cannot be read (no /proc). */
+uint64_t fc_self_pidns(void);
+
 /* Registers the calling process; must be called by the thread that stays
- * alive as long as the process (the keeper).  Returns the entry or -1. */
-int fc_proc_register(struct fc_dev *d, int pid);
+ * alive as long as the process (the keeper).  pidns tells processes of
+ * different pid namespaces (containers) with the same pid apart.  Returns
+ * the entry or -1. */
+int fc_proc_register(struct fc_dev *d, int pid, uint64_t pidns);
 
 /* Exclusive kernel execution, FIFO among waiters. */
 uint64_t fc_exec_acquire(struct fc_dev *d, int proc);
