@@ -1,0 +1,733 @@
+// Package packaging_test checks `make package` and the packages it builds:
+// their file lists, the systemd units, and, as root on Debian, a real
+// dpkg install, removal, reinstall and an upgrade under a running enforcer.
+//
+// The install tests install onto this machine rather than into a
+// debootstrap chroot: a chroot costs minutes and a few hundred MiB per run,
+// while the package only touches its own paths (/usr/bin/mgpu-*,
+// /usr/lib/mgpu, /usr/libexec/mgpu, its units, /etc/mgpu). The tests refuse
+// to run (skip) when any of those already exists, and purge the package at
+// the end, so the machine is left as it was.
+package packaging_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/mgpu-dev/mgpu/cdi"
+	"github.com/mgpu-dev/mgpu/internal/config"
+)
+
+// The two versions the tests build: the upgrade goes from the first to the
+// second.
+const (
+	v1 = "0.0.1"
+	v2 = "0.0.2"
+)
+
+var (
+	buildOnce sync.Once
+	buildDir  string // the BUILD of both versions; dist/ holds the packages
+	buildErr  error
+	buildLog  string
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if buildDir != "" {
+		_ = os.RemoveAll(buildDir)
+	}
+	os.Exit(code)
+}
+
+func repoRoot(t *testing.T) string {
+	t.Helper()
+	root, err := filepath.Abs("../..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return root
+}
+
+func needTools(t *testing.T, tools ...string) {
+	t.Helper()
+	for _, tool := range tools {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("%s is not installed (apt-get install %s)", tool, aptName(tool))
+		}
+	}
+}
+
+func aptName(tool string) string {
+	switch tool {
+	case "systemd-analyze":
+		return "systemd"
+	case "dpkg-deb", "dpkg":
+		return "dpkg"
+	case "unshare":
+		return "util-linux"
+	}
+	return tool
+}
+
+func needRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("installing packages needs root")
+	}
+}
+
+// packages runs `make package` for v1 and v2 into one scratch BUILD (never
+// the repository's build/, which other tests run binaries from) and returns
+// its dist directory.
+func packages(t *testing.T) string {
+	t.Helper()
+	needTools(t, "make", "go")
+	buildOnce.Do(func() {
+		buildDir, buildErr = os.MkdirTemp("", "mgpu-pkg-")
+		if buildErr != nil {
+			return
+		}
+		var log bytes.Buffer
+		for _, v := range []string{v1, v2} {
+			cmd := exec.Command("make", "--no-print-directory", "package", "BUILD="+buildDir, "VERSION="+v)
+			cmd.Dir = repoRoot(t)
+			cmd.Stdout, cmd.Stderr = &log, &log
+			if buildErr = cmd.Run(); buildErr != nil {
+				buildErr = fmt.Errorf("make package VERSION=%s: %w", v, buildErr)
+				break
+			}
+		}
+		buildLog = log.String()
+	})
+	if buildErr != nil {
+		t.Fatalf("%v\n%s", buildErr, buildLog)
+	}
+	return filepath.Join(buildDir, "dist")
+}
+
+func debFile(dist, v string) string { return filepath.Join(dist, "mgpu_"+v+"_amd64.deb") }
+func rpmFile(dist, v string) string { return filepath.Join(dist, "mgpu-"+v+"-1.x86_64.rpm") }
+
+// expectedFiles is every regular file the packages install, with its mode.
+func expectedFiles(t *testing.T) map[string]os.FileMode {
+	t.Helper()
+	files := map[string]os.FileMode{
+		"/usr/bin/mgpu-cli":                                 0o755,
+		"/usr/bin/mgpu-enforcer":                            0o755,
+		"/usr/bin/mgpu-hook":                                0o755,
+		"/usr/lib/mgpu/libmgpu-shim.so":                     0o644,
+		"/usr/lib/mgpu/ld.so.preload":                       0o644,
+		"/usr/libexec/mgpu/mgpu-start-enforcers":            0o755,
+		"/etc/mgpu/config.toml":                             0o644,
+		"/usr/lib/systemd/system/mgpu-enforcer@.service":    0o644,
+		"/usr/lib/systemd/system/mgpu-enforcers.service":    0o644,
+		"/usr/lib/systemd/system/mgpu-cdi-refresh.service":  0o644,
+		"/usr/lib/systemd/system/mgpu-cdi-refresh.path":     0o644,
+		"/usr/lib/systemd/system-preset/90-mgpu.preset":     0o644,
+		"/usr/share/doc/mgpu/examples/containerd-mgpu.toml": 0o644,
+		"/usr/share/doc/mgpu/examples/docker-daemon.json":   0o644,
+		"/usr/share/doc/mgpu/examples/sim-node.toml":        0o644,
+		"/usr/share/doc/mgpu/README.md":                     0o644,
+		"/usr/share/doc/mgpu/LICENSE":                       0o644,
+	}
+	// The docs that make package staged (docs/*.md at build time).
+	docs, err := filepath.Glob(filepath.Join(buildDir, "pkg", "doc", "docs", "*.md"))
+	if err != nil || len(docs) == 0 {
+		t.Fatalf("no staged docs/*.md: %v", err)
+	}
+	for _, d := range docs {
+		files["/usr/share/doc/mgpu/"+filepath.Base(d)] = 0o644
+	}
+	return files
+}
+
+func run(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	out, err := exec.Command(name, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// debContents parses `dpkg-deb -c`: path -> mode of regular files.
+func debContents(t *testing.T, deb string) map[string]os.FileMode {
+	t.Helper()
+	got := map[string]os.FileMode{}
+	for _, line := range strings.Split(strings.TrimSpace(run(t, "dpkg-deb", "-c", deb)), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 6 || f[0][0] != '-' {
+			continue
+		}
+		got[strings.TrimPrefix(f[5], ".")] = permBits(t, f[0])
+	}
+	return got
+}
+
+func permBits(t *testing.T, s string) os.FileMode {
+	t.Helper()
+	var m os.FileMode
+	for i, c := range s[1:10] {
+		if c != '-' {
+			m |= 1 << (8 - i)
+		}
+	}
+	return m
+}
+
+func TestMakePackage(t *testing.T) {
+	needTools(t, "dpkg-deb", "rpm")
+	dist := packages(t)
+	want := expectedFiles(t)
+
+	t.Run("deb", func(t *testing.T) {
+		deb := debFile(dist, v1)
+		got := debContents(t, deb)
+		want := maps(want, map[string]os.FileMode{"/usr/share/doc/mgpu/copyright": 0o644})
+		if d := diffModes(want, got); d != "" {
+			t.Errorf("dpkg-deb -c %s:\n%s", deb, d)
+		}
+		if v := strings.TrimSpace(run(t, "dpkg-deb", "-f", deb, "Version")); v != v1 {
+			t.Errorf("Version %q, want %q", v, v1)
+		}
+		if c := strings.TrimSpace(run(t, "dpkg-deb", "--info", deb, "conffiles")); c != "/etc/mgpu/config.toml" {
+			t.Errorf("conffiles %q, want /etc/mgpu/config.toml", c)
+		}
+		for _, s := range []string{"postinst", "prerm", "postrm"} {
+			if out := run(t, "dpkg-deb", "--info", deb, s); !strings.HasPrefix(out, "#!/bin/sh") {
+				t.Errorf("%s is not the packaging script: %.60q", s, out)
+			}
+		}
+		// The preload file says what the CDI spec expects it to say.
+		out, err := exec.Command("sh", "-c", "dpkg-deb --fsys-tarfile \"$1\" | tar -xOf - ./usr/lib/mgpu/ld.so.preload", "sh", deb).Output()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := cdi.PreloadContent(config.Default()); !bytes.Equal(out, want) {
+			t.Errorf("ld.so.preload %q, want %q", out, want)
+		}
+	})
+
+	t.Run("rpm", func(t *testing.T) {
+		rpm := rpmFile(dist, v1)
+		got := strings.Split(strings.TrimSpace(run(t, "rpm", "-qlp", rpm)), "\n")
+		var wantList []string
+		for f := range want {
+			wantList = append(wantList, f)
+		}
+		// Directories the rpm owns so that erasing it removes them.
+		wantList = append(wantList, "/etc/mgpu", "/usr/lib/mgpu", "/usr/libexec/mgpu", "/usr/share/doc/mgpu", "/usr/share/doc/mgpu/examples")
+		slices.Sort(got)
+		slices.Sort(wantList)
+		if !slices.Equal(got, wantList) {
+			t.Errorf("rpm -qlp %s:\n got %q\nwant %q", rpm, got, wantList)
+		}
+		if c := strings.TrimSpace(run(t, "rpm", "-qp", "--configfiles", rpm)); c != "/etc/mgpu/config.toml" {
+			t.Errorf("config files %q, want /etc/mgpu/config.toml", c)
+		}
+		if v := run(t, "rpm", "-qp", "--queryformat", "%{VERSION}-%{RELEASE}", rpm); v != v1+"-1" {
+			t.Errorf("version %q, want %s-1", v, v1)
+		}
+		// %config(noreplace): flag 16 is RPMFILE_NOREPLACE, 1 RPMFILE_CONFIG.
+		flags := run(t, "rpm", "-qp", "--queryformat", "[%{FILENAMES} %{FILEFLAGS}\n]", rpm)
+		if !regexp.MustCompile(`(?m)^/etc/mgpu/config.toml 17$`).MatchString(flags) {
+			t.Errorf("/etc/mgpu/config.toml is not %%config(noreplace):\n%s", flags)
+		}
+		scripts := run(t, "rpm", "-qp", "--scripts", rpm)
+		for _, s := range []string{"postinstall scriptlet", "preuninstall scriptlet", "postuninstall scriptlet", "mgpu-enforcers.service"} {
+			if !strings.Contains(scripts, s) {
+				t.Errorf("rpm --scripts lacks %q", s)
+			}
+		}
+	})
+}
+
+func maps(a, b map[string]os.FileMode) map[string]os.FileMode {
+	out := map[string]os.FileMode{}
+	for k, v := range a {
+		out[k] = v
+	}
+	for k, v := range b {
+		out[k] = v
+	}
+	return out
+}
+
+func diffModes(want, got map[string]os.FileMode) string {
+	var b strings.Builder
+	for f, m := range want {
+		g, ok := got[f]
+		switch {
+		case !ok:
+			fmt.Fprintf(&b, "  missing %s\n", f)
+		case g != m:
+			fmt.Fprintf(&b, "  %s mode %v, want %v\n", f, g, m)
+		}
+	}
+	for f := range got {
+		if _, ok := want[f]; !ok {
+			fmt.Fprintf(&b, "  unexpected %s\n", f)
+		}
+	}
+	return b.String()
+}
+
+// TestUnitsVerify runs systemd-analyze verify on the repository's units,
+// with the installed paths pointed at this build's binaries, and checks the
+// enforcer's hardening score. TestDebInstallUpgradeRemove verifies the
+// installed units as they are.
+func TestUnitsVerify(t *testing.T) {
+	needTools(t, "systemd-analyze")
+	root := repoRoot(t)
+	bin := filepath.Join(root, "build", "bin")
+	for _, b := range []string{"mgpu-cli", "mgpu-enforcer"} {
+		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
+			t.Skipf("%s not built (make build): %v", b, err)
+		}
+	}
+	dir := t.TempDir()
+	units, err := filepath.Glob(filepath.Join(root, "packaging", "systemd", "mgpu-*.*"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var paths []string
+	for _, u := range units {
+		if ext := filepath.Ext(u); ext != ".service" && ext != ".path" {
+			continue
+		}
+		data, err := os.ReadFile(u)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := strings.ReplaceAll(string(data), "/usr/bin/", bin+"/")
+		s = strings.ReplaceAll(s, "/usr/libexec/mgpu/", filepath.Join(root, "packaging", "systemd")+"/")
+		p := filepath.Join(dir, filepath.Base(u))
+		if err := os.WriteFile(p, []byte(s), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		paths = append(paths, p)
+	}
+	if len(paths) != 4 {
+		t.Fatalf("units %q, want 4", paths)
+	}
+	verifyUnits(t, paths...)
+
+	out, err := exec.Command("systemd-analyze", "security", "--offline=yes", filepath.Join(dir, "mgpu-enforcer@.service")).CombinedOutput()
+	if err != nil {
+		t.Fatalf("systemd-analyze security: %v\n%s", err, out)
+	}
+	m := regexp.MustCompile(`Overall exposure level for \S+: ([0-9.]+)`).FindSubmatch(out)
+	if m == nil {
+		t.Fatalf("no exposure level in:\n%s", out)
+	}
+	// 4.7 now; ProtectSystem, ProtectHome, NoNewPrivileges and friends each
+	// count, so losing any of them shows here.
+	if level, _ := strconv.ParseFloat(string(m[1]), 64); level > 5.0 {
+		t.Errorf("mgpu-enforcer@.service exposure %.1f, want <= 5.0:\n%s", level, out)
+	}
+}
+
+func verifyUnits(t *testing.T, paths ...string) {
+	t.Helper()
+	for _, p := range paths {
+		out, err := exec.Command("systemd-analyze", "verify", "--man=no", p).CombinedOutput()
+		if err != nil || len(bytes.TrimSpace(out)) != 0 {
+			t.Errorf("systemd-analyze verify %s: %v\n%s", p, err, out)
+		}
+	}
+}
+
+// node is the installed-package environment of TestDebInstallUpgradeRemove.
+type node struct {
+	t      *testing.T
+	tmp    string // run, state, cdi dirs of the sim config
+	state  string // the fake systemctl's state
+	fake   string // the fake systemctl
+	runDir string
+}
+
+// packagePaths are what the package installs or creates; a machine where
+// one exists already is not touched.
+var packagePaths = []string{
+	"/usr/bin/mgpu-cli", "/usr/bin/mgpu-enforcer", "/usr/bin/mgpu-hook",
+	"/usr/lib/mgpu", "/usr/libexec/mgpu", "/etc/mgpu", "/var/lib/mgpu", "/run/mgpu",
+	"/usr/lib/systemd/system/mgpu-enforcer@.service",
+}
+
+// inFakeSystemd runs a command in a private mount namespace whose /run has
+// /run/systemd/system and whose /usr/bin/systemctl is the fake: the
+// maintainer scripts see a running systemd and drive the fake, which runs
+// the installed units' commands.
+func (n *node) inFakeSystemd(args ...string) (string, error) {
+	script := `set -e
+mount -t tmpfs -o mode=0755 tmpfs /run
+mkdir -p /run/systemd/system
+mount --bind "$1" /usr/bin/systemctl
+shift
+exec "$@"`
+	cmd := exec.Command("unshare", append([]string{"--mount", "--propagation", "private", "sh", "-c", script, "sh", n.fake}, args...)...)
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+func (n *node) mustFakeSystemd(args ...string) string {
+	n.t.Helper()
+	out, err := n.inFakeSystemd(args...)
+	if err != nil {
+		n.t.Fatalf("%s (fake systemd): %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return out
+}
+
+// calls returns the fake systemctl's calls since the previous call of calls.
+func (n *node) calls() []string {
+	n.t.Helper()
+	data, err := os.ReadFile(filepath.Join(n.state, "calls"))
+	if err != nil && !os.IsNotExist(err) {
+		n.t.Fatal(err)
+	}
+	_ = os.Remove(filepath.Join(n.state, "calls"))
+	return strings.Split(strings.TrimSpace(string(data)), "\n")
+}
+
+func (n *node) enforcerPID() int {
+	n.t.Helper()
+	data, err := os.ReadFile(filepath.Join(n.state, "mgpu-enforcer@0.service.pid"))
+	if err != nil {
+		n.t.Fatalf("no enforcer started: %v\nlog: %s", err, n.enforcerLog())
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	return pid
+}
+
+func (n *node) enforcerLog() string {
+	data, _ := os.ReadFile(filepath.Join(n.state, "mgpu-enforcer@0.service.log"))
+	return string(data)
+}
+
+// alive reports whether pid runs (a zombie does not).
+func alive(pid int) bool {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	s := string(data)
+	i := strings.LastIndexByte(s, ')')
+	return i >= 0 && i+2 < len(s) && s[i+2] != 'Z'
+}
+
+func (n *node) client() *http.Client {
+	sock := filepath.Join(n.runDir, "gpu0", "control.sock")
+	return &http.Client{
+		Timeout: 5 * time.Second,
+		Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", sock)
+		}},
+	}
+}
+
+type instance struct {
+	Name string `json:"name"`
+	PID  int    `json:"pid"`
+}
+
+// instances polls GET /v1/instances until the enforcer answers (it may be
+// starting) and returns its instances.
+func (n *node) instances() []instance {
+	n.t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		resp, err := n.client().Get("http://mgpu/v1/instances")
+		if err == nil {
+			body, _ := io.ReadAll(resp.Body)
+			_ = resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				n.t.Fatalf("GET /v1/instances: %s: %s", resp.Status, body)
+			}
+			var list struct {
+				Instances []instance `json:"instances"`
+			}
+			if err := json.Unmarshal(body, &list); err != nil {
+				n.t.Fatalf("GET /v1/instances: %v: %s", err, body)
+			}
+			return list.Instances
+		}
+		if time.Now().After(deadline) {
+			n.t.Fatalf("enforcer does not answer on its control socket: %v\nlog: %s", err, n.enforcerLog())
+		}
+		time.Sleep(50 * time.Millisecond) // poll interval, bounded by the deadline
+	}
+}
+
+func (n *node) create(pid int) instance {
+	n.t.Helper()
+	n.instances() // wait for the enforcer
+	body := fmt.Sprintf(`{"kind":"process-tree","container_id":"mgpu-packaging-test","pid":%d,"core":30,"memory_mib":1024}`, pid)
+	resp, err := n.client().Post("http://mgpu/v1/instances", "application/json", strings.NewReader(body))
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	data, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode/100 != 2 {
+		n.t.Fatalf("POST /v1/instances: %s: %s", resp.Status, data)
+	}
+	var out struct {
+		Instance instance `json:"instance"`
+	}
+	if err := json.Unmarshal(data, &out); err != nil {
+		n.t.Fatalf("POST /v1/instances: %v: %s", err, data)
+	}
+	in := out.Instance
+	if !strings.HasPrefix(in.Name, "mgpu0inst") {
+		n.t.Fatalf("POST /v1/instances: no instance name in %s", data)
+	}
+	return in
+}
+
+func dpkgStatus(t *testing.T) string {
+	t.Helper()
+	out, err := exec.Command("dpkg-query", "-W", "-f", "${db:Status-Abbrev} ${Version}", "mgpu").Output()
+	if err != nil {
+		return "" // not known to dpkg
+	}
+	return strings.TrimSpace(string(out))
+}
+
+func exists(p string) bool { _, err := os.Lstat(p); return err == nil }
+
+// TestDebInstallUpgradeRemove installs v1 (no systemd: the scripts only
+// enable units), removes it keeping the edited configuration, reinstalls it
+// and upgrades to v2 under the fake systemd with an enforcer running and an
+// instance created through its control API, checks that the upgrade
+// restarted the enforcer with the new binary and kept the instance, removes
+// the package under the fake systemd (enforcer stopped, CDI spec removed,
+// configuration kept) and purges it.
+func TestDebInstallUpgradeRemove(t *testing.T) {
+	needRoot(t)
+	needTools(t, "dpkg", "dpkg-deb", "dpkg-query", "systemd-analyze", "systemctl", "unshare", "setsid")
+	if !exists("/usr/bin/systemctl") {
+		t.Skip("/usr/bin/systemctl missing: the fake systemd replaces that file")
+	}
+	if s := dpkgStatus(t); s != "" && !strings.HasPrefix(s, "un") {
+		t.Skipf("an mgpu package is known to dpkg here (%s); not touching it", s)
+	}
+	for _, p := range packagePaths {
+		if exists(p) {
+			t.Skipf("%s exists: this machine has mgpu files the test would overwrite or purge", p)
+		}
+	}
+	dist := packages(t)
+
+	tmp := t.TempDir()
+	n := &node{t: t, tmp: tmp, state: filepath.Join(tmp, "systemd"), runDir: filepath.Join(tmp, "run")}
+	if err := os.MkdirAll(n.state, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	fake, err := os.ReadFile("testdata/fake-systemctl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.fake = filepath.Join(tmp, "systemctl")
+	if err := os.WriteFile(n.fake, bytes.ReplaceAll(fake, []byte("@STATE@"), []byte(n.state)), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		// Stop what the fake started, then purge (no systemd: files only).
+		for _, f := range must(filepath.Glob(filepath.Join(n.state, "*.pid"))) {
+			if b, err := os.ReadFile(f); err == nil {
+				if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && alive(pid) {
+					_ = syscall.Kill(pid, syscall.SIGKILL)
+				}
+			}
+		}
+		if out, err := exec.Command("dpkg", "--purge", "mgpu").CombinedOutput(); err != nil {
+			t.Errorf("cleanup: dpkg --purge mgpu: %v\n%s", err, out)
+		}
+		for _, p := range packagePaths {
+			if exists(p) {
+				t.Errorf("cleanup: %s is left after the purge", p)
+			}
+		}
+	})
+
+	// 1. Install v1 without systemd.
+	out := run(t, "dpkg", "-i", debFile(dist, v1))
+	if !strings.Contains(out, "systemd is not running here") {
+		t.Errorf("dpkg -i without systemd does not say it starts nothing:\n%s", out)
+	}
+	for f, mode := range expectedFiles(t) {
+		st, err := os.Stat(f)
+		if err != nil {
+			t.Errorf("installed file: %v", err)
+		} else if st.Mode().Perm() != mode {
+			t.Errorf("%s mode %v, want %v", f, st.Mode().Perm(), mode)
+		}
+	}
+	if v := run(t, "/usr/bin/mgpu-cli", "version"); !strings.Contains(v, v1) {
+		t.Errorf("mgpu-cli version %q, want %s", v, v1)
+	}
+	if c := run(t, "dpkg-query", "-W", "-f", "${Conffiles}", "mgpu"); !strings.Contains(c, "/etc/mgpu/config.toml") {
+		t.Errorf("conffiles %q lack /etc/mgpu/config.toml", c)
+	}
+	// The units verify as installed (their ExecStart binaries exist now).
+	verifyUnits(t, "/usr/lib/systemd/system/mgpu-enforcer@.service", "/usr/lib/systemd/system/mgpu-enforcers.service",
+		"/usr/lib/systemd/system/mgpu-cdi-refresh.service", "/usr/lib/systemd/system/mgpu-cdi-refresh.path")
+	// The preset enabled the units offline (symlinks for the next boot).
+	enabled := []string{"mgpu-enforcers.service", "mgpu-cdi-refresh.service", "mgpu-cdi-refresh.path"}
+	for _, u := range enabled {
+		if !exists("/etc/systemd/system/multi-user.target.wants/" + u) {
+			t.Errorf("%s not enabled by the install", u)
+		}
+	}
+
+	// The operator makes it a simulated one-GPU node. The state directory
+	// is the default /var/lib/mgpu; the run directory and the CDI spec go
+	// to the test's scratch space (each fake-systemd call has its own /run).
+	cfg := fmt.Sprintf(`# edited by the packaging test
+version = 1
+backend = "sim"
+run_dir = %q
+cdi_spec_dir = %q
+
+[[sim.gpu]]
+name = "Simulated-GPU-16GB"
+memory_mib = 16384
+`, n.runDir, filepath.Join(tmp, "cdi"))
+	if err := os.WriteFile("/etc/mgpu/config.toml", []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	spec := filepath.Join(tmp, "cdi", cdi.SpecFileName(config.DefaultCDIKind, cdi.FormatYAML))
+
+	// 2. Remove: binaries and units go, the edited configuration stays.
+	run(t, "dpkg", "-r", "mgpu")
+	for _, f := range []string{"/usr/bin/mgpu-cli", "/usr/bin/mgpu-enforcer", "/usr/bin/mgpu-hook", "/usr/lib/mgpu/libmgpu-shim.so",
+		"/usr/lib/systemd/system/mgpu-enforcer@.service", "/usr/lib/systemd/system/mgpu-cdi-refresh.path"} {
+		if exists(f) {
+			t.Errorf("%s is still there after dpkg -r", f)
+		}
+	}
+	for _, u := range enabled {
+		if exists("/etc/systemd/system/multi-user.target.wants/" + u) {
+			t.Errorf("%s still enabled after dpkg -r", u)
+		}
+	}
+	if got, _ := os.ReadFile("/etc/mgpu/config.toml"); string(got) != cfg {
+		t.Errorf("/etc/mgpu/config.toml after dpkg -r: %q, want the edited one", got)
+	}
+	if s := dpkgStatus(t); !strings.HasPrefix(s, "rc") {
+		t.Errorf("dpkg status after dpkg -r: %q, want rc (config-files)", s)
+	}
+
+	// 3. Reinstall v1 with systemd: the units are enabled again, the CDI
+	// spec is written and the GPU's enforcer starts.
+	n.calls()
+	n.mustFakeSystemd("dpkg", "-i", debFile(dist, v1))
+	calls := n.calls()
+	t.Logf("reinstall: systemctl calls %q", calls)
+	for _, c := range []string{"preset " + strings.Join(enabled, " "), "restart mgpu-cdi-refresh.service", "restart mgpu-enforcers.service"} {
+		if !slices.Contains(calls, c) {
+			t.Errorf("reinstall: no systemctl %s; calls: %q", c, calls)
+		}
+	}
+	if got, _ := os.ReadFile("/etc/mgpu/config.toml"); string(got) != cfg {
+		t.Errorf("/etc/mgpu/config.toml after the reinstall: %q, want the edited one", got)
+	}
+	if !exists(spec) {
+		t.Errorf("reinstall: no CDI spec %s", spec)
+	}
+	sleeper := exec.Command("sleep", "600")
+	if err := sleeper.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sleeper.Process.Kill(); _ = sleeper.Wait() })
+	oldPID := n.enforcerPID()
+	in := n.create(sleeper.Process.Pid)
+
+	// 4. Upgrade to v2 with the enforcer running: restarted, not stopped.
+	out = n.mustFakeSystemd("dpkg", "-i", debFile(dist, v2))
+	calls = n.calls()
+	t.Logf("upgrade: systemctl calls %q", calls)
+	if !slices.Contains(calls, "restart mgpu-enforcers.service") {
+		t.Errorf("upgrade: enforcers not restarted; calls: %q", calls)
+	}
+	for _, c := range calls {
+		if strings.HasPrefix(c, "stop") || strings.HasPrefix(c, "disable") {
+			t.Errorf("upgrade: systemctl %s", c)
+		}
+	}
+	if v := run(t, "/usr/bin/mgpu-cli", "version"); !strings.Contains(v, v2) {
+		t.Errorf("after the upgrade mgpu-cli version %q, want %s\n%s", v, v2, out)
+	}
+	newPID := n.enforcerPID()
+	if newPID == oldPID || alive(oldPID) || !alive(newPID) {
+		t.Errorf("upgrade: enforcer pid %d -> %d (old alive %v, new alive %v), want a restart", oldPID, newPID, alive(oldPID), alive(newPID))
+	}
+	if exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", newPID)); err != nil || exe != "/usr/bin/mgpu-enforcer" {
+		t.Errorf("upgrade: the enforcer runs %q (%v), want the new /usr/bin/mgpu-enforcer", exe, err)
+	}
+	list := n.instances()
+	t.Logf("upgrade: enforcer pid %d -> %d, instances %+v", oldPID, newPID, list)
+	if !slices.ContainsFunc(list, func(i instance) bool { return i.Name == in.Name }) {
+		t.Errorf("upgrade lost instance %s: the restarted enforcer lists %+v\nlog: %s", in.Name, list, n.enforcerLog())
+	}
+	if got, _ := os.ReadFile("/etc/mgpu/config.toml"); string(got) != cfg {
+		t.Errorf("/etc/mgpu/config.toml after the upgrade: %q, want the edited one", got)
+	}
+
+	// 5. Remove with systemd: units stopped and disabled, the CDI spec
+	// removed, the configuration and the instance tables kept.
+	n.mustFakeSystemd("dpkg", "-r", "mgpu")
+	calls = n.calls()
+	t.Logf("remove: systemctl calls %q", calls)
+	if !slices.ContainsFunc(calls, func(c string) bool { return strings.HasPrefix(c, "disable --now") }) ||
+		!slices.Contains(calls, "stop mgpu-enforcer@*.service") {
+		t.Errorf("remove: units not stopped and disabled; calls: %q", calls)
+	}
+	if alive(newPID) {
+		t.Errorf("remove: enforcer %d still runs", newPID)
+	}
+	if exists(spec) {
+		t.Errorf("remove: CDI spec %s is still there", spec)
+	}
+	if !exists("/etc/mgpu/config.toml") || !exists("/var/lib/mgpu/gpu0") {
+		t.Errorf("remove: configuration or state directory gone")
+	}
+
+	// 6. Purge: the configuration goes too (cleanup checks the rest).
+	run(t, "dpkg", "--purge", "mgpu")
+	if exists("/etc/mgpu") {
+		t.Errorf("/etc/mgpu is still there after the purge")
+	}
+	if s := dpkgStatus(t); s != "" && !strings.HasPrefix(s, "un") {
+		t.Errorf("dpkg status after the purge: %q", s)
+	}
+}
+
+func must[T any](v T, err error) T {
+	if err != nil {
+		panic(err)
+	}
+	return v
+}
