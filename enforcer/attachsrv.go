@@ -81,7 +81,7 @@ func (e *Enforcer) handleAttach(conn *net.UnixConn) {
 		// The caller went away before it got its region: free the slot.
 		e.mu.Lock()
 		if e.byID[in.id] == in {
-			e.reapSlotLocked(in, slot)
+			e.guard(func() { e.reapSlotLocked(in, slot) })
 		}
 		e.mu.Unlock()
 		return
@@ -233,6 +233,19 @@ func (e *Enforcer) attach(pid, pidfd int) (attach.Response, int, *instance, int)
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	var (
+		fd, slot = -1, -1
+		in       *instance
+	)
+	if e.guard(func() { resp, fd, in, slot = e.attachLocked(resp, pid, pidfd, info) }) {
+		resp.Status = attach.Internal
+		resp.Message = "mgpu: the instance's region was truncated by one of its processes; the instance is released"
+		return resp, -1, nil, 0
+	}
+	return resp, fd, in, slot
+}
+
+func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerInfo) (attach.Response, int, *instance, int) {
 	in := e.matchLocked(info)
 	if in == nil || e.closed {
 		resp.Status = attach.NoInstance

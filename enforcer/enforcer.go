@@ -342,9 +342,11 @@ func (e *Enforcer) Close() {
 		}
 		e.mu.Lock()
 		e.closed = true
-		for _, in := range e.list {
-			in.reg.SetGrant(0)
-		}
+		e.guard(func() {
+			for _, in := range e.list {
+				in.reg.SetGrant(0)
+			}
+		})
 		e.mu.Unlock()
 		if e.restored {
 			if err := e.save(); err != nil {

@@ -493,3 +493,58 @@ func TestContainerByCgroup(t *testing.T) {
 		return len(l) == 0
 	})
 }
+
+// TestTruncatedRegion: a process that truncates its region (its descriptor
+// is writable) breaks its own instance only: the enforcer repairs the file,
+// releases that instance and keeps serving the others.
+func TestTruncatedRegion(t *testing.T) {
+	env := newEnv(t, nil)
+	env.start(t)
+	c := env.client()
+	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
+		t.Fatal(err)
+	}
+	sl := startSleeper(t, nil)
+	if _, err := c.Create(ctx, tree(sl.Process.Pid, 10, 10)); err != nil {
+		t.Fatal(err)
+	}
+	res, err := attach.Dial(api.ClientSocket(env.runDir()), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Region.Close()
+	if err := res.Region.Truncate(0); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "the truncated instance is released", func() bool {
+		_, _ = c.Stats(ctx) // touches every region
+		l, err := c.List(ctx)
+		return err == nil && len(l) == 1 && l[0].Name == "mgpu0inst1"
+	})
+	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
+		t.Fatalf("after the repair: %v", err)
+	}
+}
+
+// TestGrantOverruled: a process that sets its own grant is overruled by
+// the next tick.
+func TestGrantOverruled(t *testing.T) {
+	env := newEnv(t, nil)
+	env.start(t)
+	if _, err := env.client().Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
+		t.Fatal(err)
+	}
+	res, err := attach.Dial(api.ClientSocket(env.runDir()), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(int(res.Region.Fd()), 0, region.FileSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	res.Region.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	l := layoutOf(mem)
+	l.Grant.Store(7)
+	eventually(t, 5*time.Second, "self-granted word reset", func() bool { return l.Grant.Load() == 0 })
+}

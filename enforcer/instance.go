@@ -45,7 +45,6 @@ type instance struct {
 	// Counters of reaped processes (instance totals stay monotonic).
 	reapedGPU, reapedThrottled, reapedLaunches uint64
 
-	granted      bool
 	lastGPU      uint64
 	lastLaunches uint64
 }
@@ -436,7 +435,7 @@ func (e *Enforcer) releaseLocked(in *instance, why string) {
 		}
 	}
 	in.closeFDs()
-	in.reg.SetGrant(0)
+	e.guard(func() { in.reg.SetGrant(0) })
 	_ = in.reg.Close()
 	if err := os.Remove(in.path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		e.o.log.Warn("remove region", "path", in.path, "err", err)
@@ -560,6 +559,14 @@ func (e *Enforcer) Device() api.DeviceResponse {
 func (e *Enforcer) Stats() []api.InstanceStats {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	var out []api.InstanceStats
+	for e.guard(func() { out = e.statsLocked() }) {
+		// a truncated region was repaired and its instance released: again
+	}
+	return out
+}
+
+func (e *Enforcer) statsLocked() []api.InstanceStats {
 	out := make([]api.InstanceStats, 0, len(e.list))
 	for _, in := range e.list {
 		as := e.arb.Stats(in.id)

@@ -53,6 +53,12 @@ func (e *Enforcer) tick() time.Duration {
 	if e.closed || len(e.list) == 0 {
 		return e.o.dormantTick
 	}
+	next := e.o.dormantTick
+	e.guard(func() { next = e.tickLocked(now) })
+	return next
+}
+
+func (e *Enforcer) tickLocked(now time.Duration) time.Duration {
 	active, attached := false, false
 	for _, in := range e.list {
 		u := arbiter.Usage{}
@@ -83,23 +89,18 @@ func (e *Enforcer) tick() time.Duration {
 	}
 	granted := e.arb.Tick(now, e.usage)
 	for _, in := range e.list {
-		g := false
+		var v uint32
 		for _, id := range granted {
 			if id == in.id {
-				g = true
+				v = 1
+				active = true
 				break
 			}
 		}
-		if g != in.granted {
-			in.granted = g
-			var v uint32
-			if g {
-				v = 1
-			}
+		// Compared with the word itself, not with what was written last:
+		// a process that sets its own grant is overruled at the next tick.
+		if in.reg.L().Grant.Load() != v {
 			in.reg.SetGrant(v)
-		}
-		if g {
-			active = true
 		}
 		in.reg.L().HeartbeatNs.Store(uint64(now)) //nolint:gosec // monotonic, positive
 	}

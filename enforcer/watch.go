@@ -76,7 +76,7 @@ func (e *Enforcer) watch(ctx context.Context) {
 		if len(exited) > 0 {
 			e.mu.Lock()
 			for _, fd := range exited {
-				changed = e.exitedLocked(fd) || changed
+				e.guard(func() { changed = e.exitedLocked(fd) || changed })
 			}
 			e.mu.Unlock()
 		}
@@ -136,6 +136,14 @@ func (e *Enforcer) reapSlotLocked(in *instance, i int) {
 func (e *Enforcer) sweep() bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	changed := false
+	if e.guard(func() { changed = e.sweepLocked() }) {
+		changed = true
+	}
+	return changed
+}
+
+func (e *Enforcer) sweepLocked() bool {
 	changed := false
 	for _, in := range append([]*instance(nil), e.list...) {
 		if !in.rootGone && in.rootFD < 0 && !e.alive(in.pid, in.startTime) {

@@ -165,6 +165,20 @@ func Wake(w *atomic.Uint32) {
 
 const futexWake = 1 // FUTEX_WAKE, without FUTEX_PRIVATE_FLAG
 
+// Intact reports whether the file still has its full size. A process that
+// holds the (writable) descriptor can truncate it; accessing the mapping
+// beyond the new end then faults (SIGBUS).
+func (r *Region) Intact() bool {
+	st, err := r.f.Stat()
+	return err == nil && st.Size() == FileSize
+}
+
+// Repair restores the file's size, so that the mapping is valid again (the
+// truncated part reads as zeros).
+func (r *Region) Repair() error {
+	return r.f.Truncate(FileSize)
+}
+
 // Close unmaps the region and closes its file. The file stays.
 func (r *Region) Close() error {
 	if r.mem == nil {
