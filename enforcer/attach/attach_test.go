@@ -54,8 +54,9 @@ func TestResponseRoundTrip(t *testing.T) {
 	}
 }
 
-// FuzzDecodeRequest: the decoder never panics, accepts only the one valid
-// request, and what it accepts re-encodes to the same bytes.
+// FuzzDecodeRequest: the decoder never panics, accepts only requests with
+// the right magic, version and flags, and what it accepts re-encodes to the
+// same bytes.
 func FuzzDecodeRequest(f *testing.F) {
 	good := NewRequest().Marshal()
 	f.Add(good[:])
@@ -67,7 +68,8 @@ func FuzzDecodeRequest(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if r != NewRequest() {
+		// reserved is not checked (the header asks only flags to be 0).
+		if r.Magic != Magic || r.Version != Version || r.Flags != 0 {
 			t.Fatalf("accepted %+v", r)
 		}
 		if enc := r.Marshal(); string(enc[:]) != string(b) {
