@@ -1,0 +1,290 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/mgpu-dev/mgpu/enforcer/api"
+)
+
+// The container tests need root, the build (make build), containerd 2.x
+// and podman (test/e2e/deps.sh). Locally a missing piece skips the test
+// with the reason; in CI (CI set) it fails, since CI provides them all.
+func need(t *testing.T, format string, args ...any) {
+	t.Helper()
+	if os.Getenv("CI") != "" {
+		t.Fatalf("CI must provide this: "+format, args...)
+	}
+	t.Skipf(format, args...)
+}
+
+// env is a simulated node with its enforcers running, a CDI spec with the
+// hooks, and the engines asked for.
+type env struct {
+	n       *Node
+	kind    string
+	cd      *Containerd
+	ctr     *Ctr
+	podman  *Podman
+	engines []Engine
+}
+
+const (
+	useCtr    = 1 << iota // a private containerd, driven with ctr
+	usePodman             // podman
+)
+
+func setup(t *testing.T, opts NodeOptions, engines int) *env {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		need(t, "needs root: containers with device nodes, CDI specs in %s (run test/e2e/deps.sh, then go test as root)", CDISpecDir)
+	}
+	var cdBin, podman string
+	if engines&useCtr != 0 {
+		var err error
+		if cdBin, err = ContainerdBinaries(); err != nil {
+			need(t, "%v", err)
+		}
+	}
+	if engines&usePodman != 0 {
+		var err error
+		if podman, err = exec.LookPath("podman"); err != nil {
+			need(t, "podman not installed (run test/e2e/deps.sh)")
+		}
+	}
+	if _, err := exec.LookPath("runc"); err != nil {
+		need(t, "runc not installed (run test/e2e/deps.sh)")
+	}
+	if _, err := os.Stat("/bin/busybox"); err != nil {
+		need(t, "/bin/busybox missing: install busybox-static (test/e2e/deps.sh)")
+	}
+	logs := &syncBuffer{}
+	if opts.Log == nil {
+		opts.Log = logs
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("enforcer logs:\n%s", logs.String())
+		}
+	})
+	n, err := NewNode(opts)
+	if err != nil {
+		if strings.Contains(err.Error(), "run make build") {
+			need(t, "%v", err)
+		}
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := n.Close(); err != nil {
+			t.Errorf("close node: %v", err)
+		}
+	})
+	devs := opts.Devices
+	if devs == 0 {
+		devs = 1
+	}
+	for d := 0; d < devs; d++ {
+		if err := n.StartEnforcer(d); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e := &env{n: n}
+	if e.kind, err = n.GenerateSpec(true); err != nil {
+		t.Fatal(err)
+	}
+	if engines&useCtr != 0 {
+		cd, err := StartContainerd(cdBin, n.Dir+"/containerd", CDISpecDir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			if t.Failed() {
+				var b strings.Builder
+				cd.LogTail(&b)
+				t.Logf("containerd log (end):\n%s", b.String())
+			}
+			if err := cd.Close(); err != nil {
+				t.Errorf("close containerd: %v", err)
+			}
+		})
+		e.cd = cd
+		e.ctr = NewCtr(n, cd)
+		t.Cleanup(func() {
+			if err := e.ctr.Cleanup(); err != nil {
+				t.Errorf("ctr cleanup: %v", err)
+			}
+		})
+		e.engines = append(e.engines, e.ctr)
+	}
+	if engines&usePodman != 0 {
+		e.podman = &Podman{N: n, Path: podman, ids: map[string]bool{}}
+		t.Cleanup(func() {
+			if err := e.podman.Cleanup(); err != nil {
+				t.Errorf("podman cleanup: %v", err)
+			}
+		})
+		e.engines = append(e.engines, e.podman)
+	}
+	return e
+}
+
+// syncBuffer collects the enforcers' logs; a failed test prints them.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+var idSeq int
+
+// id returns a container id unique in the test binary.
+func id(prefix string) string {
+	idSeq++
+	return fmt.Sprintf("%s-%d-%d", prefix, os.Getpid(), idSeq)
+}
+
+// container is a request for device 0 of the env's spec.
+func (e *env) container(prefix, core, memory string, args ...string) Container {
+	return Container{ID: id(prefix), Kind: e.kind, Devices: []string{"0"}, Core: core, Memory: memory, Args: args}
+}
+
+func (e *env) instances(t *testing.T) []api.Instance {
+	t.Helper()
+	list, err := e.n.Instances()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return list
+}
+
+// waitInstances waits until the node has exactly want instances.
+func (e *env) waitInstances(t *testing.T, want int, within time.Duration) time.Duration {
+	t.Helper()
+	start := time.Now()
+	var last []api.Instance
+	err := Poll(within, func() error {
+		list, err := e.n.Instances()
+		if err != nil {
+			return err
+		}
+		last = list
+		if len(list) != want {
+			return fmt.Errorf("%d instances, want %d", len(list), want)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("instances: %v: %+v", err, last)
+	}
+	return time.Since(start)
+}
+
+func (e *env) instanceOf(t *testing.T, cid string) api.Instance {
+	t.Helper()
+	for _, in := range e.instances(t) {
+		if in.ContainerID == cid {
+			return in
+		}
+	}
+	t.Fatalf("no instance for container %s", cid)
+	return api.Instance{}
+}
+
+// refusalKey is how an engine names a request key in the hook's message:
+// ctr passes annotations, podman environment variables.
+func refusalKey(e Engine, key string) string {
+	if e.Name() == "ctr" {
+		return "vke.volcengine.com/mgpu-" + key
+	}
+	return map[string]string{"core": "MGPU_CORE", "memory": "MGPU_MEMORY", "compute-policy": "MGPU_COMPUTE_POLICY"}[key]
+}
+
+// Acceptance 1: what the device cannot or must not give is refused at
+// start; the container does not run, and the engine's error carries the
+// hook's one mgpu: line.
+func TestAdmissionRefused(t *testing.T) {
+	e := setup(t, NodeOptions{MemoryMiB: 16384, MaxInstances: 2,
+		Policies: map[int]string{0: "guaranteed-burst-share"}}, useCtr|usePodman)
+	ctx := context.Background()
+	for _, eng := range e.engines {
+		t.Run(eng.Name(), func(t *testing.T) {
+			for _, tc := range []struct {
+				name, policy, core, memory, want string
+			}{
+				{"policy", "fixed-share", "30", "4096", "mgpu: device 0 runs guaranteed-burst-share, container asks fixed-share"},
+				{"core 0", "", "0", "4096", fmt.Sprintf(`mgpu: %s is "0"; set it to a percent from 1 to 100`, refusalKey(eng, "core"))},
+				{"core 101", "", "101", "4096", fmt.Sprintf(`mgpu: %s is "101"; set it to a percent from 1 to 100`, refusalKey(eng, "core"))},
+				{"memory abc", "", "30", "abc", fmt.Sprintf(`mgpu: %s is "abc"; set it to a whole number of MiB from 1 to 16777216, without a unit (e.g. 4096)`, refusalKey(eng, "memory"))},
+				{"memory above free", "", "30", "16385", "mgpu: device 0 has 16384 MiB memory free (0 of 16384 MiB allocated), container asks 16385 MiB"},
+			} {
+				c := e.container("refused", tc.core, tc.memory, "/bin/sh", "-c", "echo container-ran")
+				c.Policy = tc.policy
+				out, err := eng.Run(ctx, c)
+				if err == nil || strings.Contains(out, "container-ran") {
+					t.Errorf("%s: the container ran (err %v):\n%s", tc.name, err, out)
+					continue
+				}
+				if !strings.Contains(out, tc.want) {
+					t.Errorf("%s: the engine's error lacks the hook's line %q:\n%s", tc.name, tc.want, out)
+				} else {
+					t.Logf("%s: %s", tc.name, lineWith(out, tc.want))
+				}
+			}
+			e.waitInstances(t, 0, 2*time.Second)
+
+			// max_instances = 2: two run, the third is refused.
+			var running []string
+			for i := 0; i < 2; i++ {
+				c := e.container("admitted", "10", "1024", "/bin/sleep", "3600")
+				if out, err := eng.Start(ctx, c); err != nil {
+					t.Fatalf("start %s: %v\n%s", c.ID, err, out)
+				}
+				running = append(running, c.ID)
+			}
+			e.waitInstances(t, 2, 2*time.Second)
+			c := e.container("third", "10", "1024", "/bin/sh", "-c", "echo container-ran")
+			out, err := eng.Run(ctx, c)
+			want := "mgpu: device 0 already has 2 instances, the most it admits (max_instances = 2)"
+			if err == nil || strings.Contains(out, "container-ran") || !strings.Contains(out, want) {
+				t.Errorf("third container: err %v, want a refusal with %q:\n%s", err, want, out)
+			} else {
+				t.Logf("max_instances: %s", lineWith(out, want))
+			}
+			e.waitInstances(t, 2, 2*time.Second)
+			for _, id := range running {
+				if err := eng.Remove(ctx, id); err != nil {
+					t.Fatal(err)
+				}
+			}
+			e.waitInstances(t, 0, 2*time.Second)
+		})
+	}
+}
+
+// lineWith returns the line of out that holds s (the engine's whole error).
+func lineWith(out, s string) string {
+	for _, l := range strings.Split(out, "\n") {
+		if strings.Contains(l, s) {
+			return strings.TrimSpace(l)
+		}
+	}
+	return ""
+}

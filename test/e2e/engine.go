@@ -1,0 +1,268 @@
+package e2e
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Container is one container to run on the node.
+type Container struct {
+	ID      string
+	Kind    string   // CDI kind of the node's spec (Node.GenerateSpec)
+	Devices []string // CDI device names of Kind: "0", "all", "GPU-…"
+	// The request; an empty value leaves the key out. ctr passes them as
+	// annotations (vke.volcengine.com/mgpu-*), podman as environment
+	// variables (MGPU_*).
+	Policy, Core, Memory string
+	Env                  []string // more environment
+	Args                 []string // the command
+}
+
+// Engine runs containers on a Node: ctr against a private containerd, or
+// podman. Every container gets the node's simulated-driver state directory
+// (same path) and the node's IODir at /e2e, both read-write.
+type Engine interface {
+	Name() string
+	// Run runs c in the foreground, removes it when it ends, and returns
+	// what the engine and the container printed.
+	Run(ctx context.Context, c Container) (string, error)
+	// Start creates and starts c detached.
+	Start(ctx context.Context, c Container) (string, error)
+	// Exec runs args in the running container id and waits for it.
+	Exec(ctx context.Context, id string, args ...string) (string, error)
+	// InitPID is the host pid of the container's first process.
+	InitPID(ctx context.Context, id string) (int, error)
+	// Remove kills (SIGKILL) and removes the container.
+	Remove(ctx context.Context, id string) error
+	// Cleanup removes every container the engine made.
+	Cleanup() error
+}
+
+// Mounts and environment every container gets.
+func (n *Node) containerEnv(c Container) []string {
+	return append(n.FakeEnv(), c.Env...)
+}
+
+const engineTimeout = 2 * time.Minute
+
+// Ctr runs containers with ctr.
+type Ctr struct {
+	N  *Node
+	CD *Containerd
+
+	mu  sync.Mutex
+	ids map[string]bool
+}
+
+// NewCtr returns the ctr engine of node n on containerd cd.
+func NewCtr(n *Node, cd *Containerd) *Ctr { return &Ctr{N: n, CD: cd, ids: map[string]bool{}} }
+
+// Name is "ctr".
+func (e *Ctr) Name() string { return "ctr" }
+
+func (e *Ctr) runArgs(c Container, mode string) []string {
+	args := []string{"run", mode, "--rootfs"}
+	for _, d := range c.Devices {
+		args = append(args, "--device", c.Kind+"="+d)
+	}
+	for k, v := range map[string]string{"compute-policy": c.Policy, "core": c.Core, "memory": c.Memory} {
+		if v != "" {
+			args = append(args, "--annotation", "vke.volcengine.com/mgpu-"+k+"="+v)
+		}
+	}
+	for _, kv := range e.N.containerEnv(c) {
+		args = append(args, "--env", kv)
+	}
+	args = append(args,
+		"--mount", "type=bind,src="+e.N.FakeState+",dst="+e.N.FakeState+",options=rbind:rw",
+		"--mount", "type=bind,src="+e.N.IODir+",dst=/e2e,options=rbind:rw",
+		e.N.Rootfs, c.ID)
+	return append(args, c.Args...)
+}
+
+func (e *Ctr) track(id string) {
+	e.mu.Lock()
+	e.ids[id] = true
+	e.mu.Unlock()
+}
+
+// Run is `ctr run --rm`.
+func (e *Ctr) Run(ctx context.Context, c Container) (string, error) {
+	e.track(c.ID)
+	return e.CD.Ctr(ctx, engineTimeout, e.runArgs(c, "--rm")...)
+}
+
+// Start is `ctr run -d`.
+func (e *Ctr) Start(ctx context.Context, c Container) (string, error) {
+	e.track(c.ID)
+	return e.CD.Ctr(ctx, engineTimeout, e.runArgs(c, "-d")...)
+}
+
+var execSeq struct {
+	sync.Mutex
+	n int
+}
+
+// Exec is `ctr task exec`.
+func (e *Ctr) Exec(ctx context.Context, id string, args ...string) (string, error) {
+	execSeq.Lock()
+	execSeq.n++
+	eid := fmt.Sprintf("exec%d", execSeq.n)
+	execSeq.Unlock()
+	return e.CD.Ctr(ctx, engineTimeout, append([]string{"task", "exec", "--exec-id", eid, id}, args...)...)
+}
+
+// InitPID reads `ctr task ls`.
+func (e *Ctr) InitPID(ctx context.Context, id string) (int, error) {
+	out, err := e.CD.CtrStdout(ctx, 30*time.Second, "task", "ls")
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.Fields(line)
+		if len(f) >= 3 && f[0] == id {
+			if f[2] != "RUNNING" {
+				return 0, fmt.Errorf("task %s is %s", id, f[2])
+			}
+			return strconv.Atoi(f[1])
+		}
+	}
+	return 0, fmt.Errorf("no task %s in:\n%s", id, out)
+}
+
+// Remove is `ctr task rm -f` and `ctr containers rm`.
+func (e *Ctr) Remove(ctx context.Context, id string) error {
+	_, _ = e.CD.Ctr(ctx, 30*time.Second, "task", "rm", "-f", id)
+	out, err := e.CD.Ctr(ctx, 30*time.Second, "containers", "rm", id)
+	if err != nil && !strings.Contains(out, "not found") {
+		return fmt.Errorf("ctr containers rm %s: %w: %s", id, err, out)
+	}
+	e.mu.Lock()
+	delete(e.ids, id)
+	e.mu.Unlock()
+	return nil
+}
+
+// Cleanup removes the containers Run and Start made.
+func (e *Ctr) Cleanup() error {
+	e.mu.Lock()
+	var ids []string
+	for id := range e.ids {
+		ids = append(ids, id)
+	}
+	e.mu.Unlock()
+	var errs []error
+	for _, id := range ids {
+		errs = append(errs, e.Remove(context.Background(), id))
+	}
+	return errors.Join(errs...)
+}
+
+// Podman runs containers with podman (rootful).
+type Podman struct {
+	N    *Node
+	Path string // the podman binary
+
+	mu  sync.Mutex
+	ids map[string]bool
+}
+
+// NewPodman returns the podman engine of node n (podman from PATH).
+func NewPodman(n *Node) (*Podman, error) {
+	p, err := exec.LookPath("podman")
+	if err != nil {
+		return nil, err
+	}
+	return &Podman{N: n, Path: p, ids: map[string]bool{}}, nil
+}
+
+// Name is "podman".
+func (e *Podman) Name() string { return "podman" }
+
+func (e *Podman) runArgs(c Container, mode string) []string {
+	args := []string{"run", mode, "--name", c.ID, "--network", "none",
+		"--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"}
+	for _, d := range c.Devices {
+		args = append(args, "--device", c.Kind+"="+d)
+	}
+	for k, v := range map[string]string{"MGPU_COMPUTE_POLICY": c.Policy, "MGPU_CORE": c.Core, "MGPU_MEMORY": c.Memory} {
+		if v != "" {
+			args = append(args, "-e", k+"="+v)
+		}
+	}
+	for _, kv := range e.N.containerEnv(c) {
+		args = append(args, "-e", kv)
+	}
+	args = append(args, "-v", e.N.FakeState+":"+e.N.FakeState+":rw", "-v", e.N.IODir+":/e2e:rw",
+		"--rootfs", e.N.Rootfs)
+	return append(args, c.Args...)
+}
+
+func (e *Podman) track(id string) {
+	e.mu.Lock()
+	e.ids[id] = true
+	e.mu.Unlock()
+}
+
+// Run is `podman run --rm`.
+func (e *Podman) Run(ctx context.Context, c Container) (string, error) {
+	e.track(c.ID)
+	return run(ctx, engineTimeout, nil, e.Path, e.runArgs(c, "--rm")...)
+}
+
+// Start is `podman run -d`.
+func (e *Podman) Start(ctx context.Context, c Container) (string, error) {
+	e.track(c.ID)
+	return run(ctx, engineTimeout, nil, e.Path, e.runArgs(c, "-d")...)
+}
+
+// Exec is `podman exec`.
+func (e *Podman) Exec(ctx context.Context, id string, args ...string) (string, error) {
+	return run(ctx, engineTimeout, nil, e.Path, append([]string{"exec", id}, args...)...)
+}
+
+// InitPID is `podman inspect`'s State.Pid.
+func (e *Podman) InitPID(ctx context.Context, id string) (int, error) {
+	out, err := runStdout(ctx, 30*time.Second, e.Path, "inspect", "--format", "{{.State.Pid}}", id)
+	if err != nil {
+		return 0, err
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(out))
+	if err == nil && pid <= 0 {
+		err = fmt.Errorf("container %s does not run", id)
+	}
+	return pid, err
+}
+
+// Remove is `podman rm -f`.
+func (e *Podman) Remove(ctx context.Context, id string) error {
+	out, err := run(ctx, time.Minute, nil, e.Path, "rm", "-f", "-t", "0", id)
+	if err != nil && !strings.Contains(out, "no such container") {
+		return fmt.Errorf("podman rm %s: %w: %s", id, err, out)
+	}
+	e.mu.Lock()
+	delete(e.ids, id)
+	e.mu.Unlock()
+	return nil
+}
+
+// Cleanup removes the containers Run and Start made.
+func (e *Podman) Cleanup() error {
+	e.mu.Lock()
+	var ids []string
+	for id := range e.ids {
+		ids = append(ids, id)
+	}
+	e.mu.Unlock()
+	var errs []error
+	for _, id := range ids {
+		errs = append(errs, e.Remove(context.Background(), id))
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,395 @@
+// Package e2e runs mgpu with real container engines: its own containerd 2.x
+// (driven with ctr) and podman, both on Debian's runc, on a simulated GPU
+// node. Containers get their GPU through the CDI spec `mgpu-cli cdi
+// generate` writes, are admitted by the real mgpu-hook, attach through the
+// real shim to the real enforcers, and run mgpu-workload against the
+// simulated driver (test/fakecuda), whose busy-time records, attributed per
+// pid namespace, give each container's achieved share.
+//
+// The test files hold the acceptance tests (docs/e2e.md); the exported part
+// (Node, Containerd, the engines, HookBench) is for the tests and for the
+// benchmark program.
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/test/fakecuda"
+)
+
+// NodeOptions describes the simulated node.
+type NodeOptions struct {
+	Devices      int            // simulated GPUs (default 1)
+	MemoryMiB    int64          // per GPU (default 16384)
+	Policies     map[int]string // compute_policy per device (default fixed-share)
+	MaxInstances int            // max_instances (0: the config default, 16)
+	// Log receives the enforcers' output (default: discarded).
+	Log io.Writer
+}
+
+// Node is a simulated GPU node laid out for containers: a configuration
+// with private run, state and prefix directories, the hook and the shim
+// staged under the prefix, the simulated driver's state directory, a root
+// filesystem holding mgpu-workload and its libraries, and the enforcers.
+// Close it.
+type Node struct {
+	Dir        string // temporary root of everything below
+	ConfigPath string
+	RunDir     string // run_dir
+	StateDir   string // state_dir
+	Prefix     string // prefix: bin/mgpu-hook, lib/mgpu/libmgpu-shim.so
+	FakeState  string // FAKECUDA_STATE_DIR, mounted into containers at the same path
+	IODir      string // mounted read-write at /e2e in containers: their output files
+	Rootfs     string // the containers' root filesystem
+	Build      string // the build directory (make build)
+	CLI        string // build/bin/mgpu-cli
+	Ctl        string // build/bin/fakecuda-ctl
+
+	opts      NodeOptions
+	mu        sync.Mutex
+	enforcers map[int]*exec.Cmd
+	specs     []string
+}
+
+// NewNode builds the node's files from the build directory
+// (fakecuda.BuildDir: $MGPU_BUILD or build/) and starts nothing; see
+// StartEnforcer and GenerateSpec. It needs root (device nodes, later the
+// containers).
+func NewNode(opts NodeOptions) (n *Node, err error) {
+	if opts.Devices == 0 {
+		opts.Devices = 1
+	}
+	if opts.MemoryMiB == 0 {
+		opts.MemoryMiB = 16384
+	}
+	build, err := fakecuda.BuildDir()
+	if err != nil {
+		return nil, err
+	}
+	n = &Node{Build: build, opts: opts, enforcers: map[int]*exec.Cmd{},
+		CLI: filepath.Join(build, "bin", "mgpu-cli"), Ctl: filepath.Join(build, "bin", "fakecuda-ctl")}
+	for _, p := range []string{n.CLI, n.Ctl, n.bin("mgpu-enforcer"), n.bin("mgpu-hook"), n.bin("mgpu-workload"),
+		filepath.Join(build, "lib", "libmgpu-shim.so"), filepath.Join(build, "fakecuda", "libcuda.so.1")} {
+		if _, err := os.Stat(p); err != nil {
+			return nil, fmt.Errorf("e2e: %s is missing; run make build", p)
+		}
+	}
+	// Short paths: unix socket paths are limited to 108 bytes.
+	if n.Dir, err = os.MkdirTemp("", "mgpu-e2e-"); err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			_ = os.RemoveAll(n.Dir)
+		}
+	}()
+	if err := os.Chmod(n.Dir, 0o755); err != nil { //nolint:gosec // containers traverse it
+		return nil, err
+	}
+	n.RunDir = filepath.Join(n.Dir, "run")
+	n.StateDir = filepath.Join(n.Dir, "state")
+	n.Prefix = filepath.Join(n.Dir, "prefix")
+	n.FakeState = filepath.Join(n.Dir, "fakecuda")
+	n.IODir = filepath.Join(n.Dir, "io")
+	n.Rootfs = filepath.Join(n.Dir, "rootfs")
+	for _, d := range []string{n.FakeState, n.IODir, filepath.Join(n.Prefix, "bin"), filepath.Join(n.Prefix, "lib", "mgpu")} {
+		if err := os.MkdirAll(d, 0o755); err != nil { //nolint:gosec // shared with containers
+			return nil, err
+		}
+	}
+	// The state dir and the output dir are written from containers.
+	for _, d := range []string{n.FakeState, n.IODir} {
+		if err := os.Chmod(d, 0o777); err != nil { //nolint:gosec // shared with containers
+			return nil, err
+		}
+	}
+	if err := copyFile(n.bin("mgpu-hook"), filepath.Join(n.Prefix, "bin", "mgpu-hook"), 0o755); err != nil {
+		return nil, err
+	}
+	if err := copyFile(filepath.Join(build, "lib", "libmgpu-shim.so"), filepath.Join(n.Prefix, "lib", "mgpu", "libmgpu-shim.so"), 0o755); err != nil {
+		return nil, err
+	}
+	if err := BuildRootfs(n.Rootfs, build); err != nil {
+		return nil, err
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "version = 1\nbackend = \"sim\"\nrun_dir = %q\nstate_dir = %q\nprefix = %q\ncdi_spec_dir = %q\n\n[defaults]\n",
+		n.RunDir, n.StateDir, n.Prefix, CDISpecDir)
+	if opts.MaxInstances != 0 {
+		fmt.Fprintf(&b, "max_instances = %d\n", opts.MaxInstances)
+	}
+	for dev := 0; dev < opts.Devices; dev++ {
+		if p, ok := opts.Policies[dev]; ok {
+			fmt.Fprintf(&b, "\n[[device]]\nindex = %d\ncompute_policy = %q\n", dev, p)
+		}
+	}
+	for dev := 0; dev < opts.Devices; dev++ {
+		fmt.Fprintf(&b, "\n[[sim.gpu]]\nname = \"Simulated-GPU\"\nmemory_mib = %d\n", opts.MemoryMiB)
+	}
+	n.ConfigPath = filepath.Join(n.Dir, "config.toml")
+	if err := os.WriteFile(n.ConfigPath, []byte(b.String()), 0o644); err != nil { //nolint:gosec // a test config
+		return nil, err
+	}
+	return n, nil
+}
+
+func (n *Node) bin(name string) string { return filepath.Join(n.Build, "bin", name) }
+
+// CDISpecDir is where the node's CDI specs go: ctr and podman 4.3 read specs
+// only from /etc/cdi and /var/run/cdi, so the specs get kinds of their own.
+const CDISpecDir = "/var/run/cdi"
+
+// FakeEnv is what a process needs to use the simulated GPU of the node
+// (inside a container too: the libraries are in the root filesystem).
+func (n *Node) FakeEnv() []string {
+	return []string{
+		"FAKECUDA_STATE_DIR=" + n.FakeState,
+		"FAKECUDA_DEVICES=" + strconv.Itoa(n.opts.Devices),
+		fmt.Sprintf("FAKECUDA_MEMORY_MIB=%d", n.opts.MemoryMiB),
+	}
+}
+
+// GenerateSpec writes a CDI spec of the node under a new kind
+// (mgpu.io/gpu-e2e-<pid>-<n>), with or without the hooks, and returns the
+// kind. Close removes the spec file.
+func (n *Node) GenerateSpec(hooks bool) (string, error) {
+	n.mu.Lock()
+	kind := fmt.Sprintf("mgpu.io/gpu-e2e-%d-%d", os.Getpid(), specSeq.Add(1))
+	file := filepath.Join(CDISpecDir, strings.ReplaceAll(kind, "/", "-")+".yaml")
+	n.specs = append(n.specs, file)
+	n.mu.Unlock()
+	args := []string{"--config", n.ConfigPath, "cdi", "generate", "--kind", kind, "--output", file}
+	if !hooks {
+		args = append(args, "--no-hooks")
+	}
+	out, err := run(context.Background(), time.Minute, nil, n.CLI, args...)
+	if err != nil {
+		return "", fmt.Errorf("e2e: mgpu-cli cdi generate: %w\n%s", err, out)
+	}
+	return kind, nil
+}
+
+// StartEnforcer starts mgpu-enforcer for device dev and waits until its
+// control socket answers.
+func (n *Node) StartEnforcer(dev int) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if c, ok := n.enforcers[dev]; ok && c.ProcessState == nil {
+		return fmt.Errorf("e2e: enforcer %d already runs", dev)
+	}
+	cmd := exec.Command(n.bin("mgpu-enforcer"), "--device", strconv.Itoa(dev), "--config", n.ConfigPath) //nolint:gosec // the build's binary
+	cmd.Env = append(os.Environ(), n.FakeEnv()...)
+	cmd.Env = append(cmd.Env, "LD_LIBRARY_PATH="+filepath.Join(n.Build, "fakecuda"))
+	w := n.opts.Log
+	if w == nil {
+		w = io.Discard
+	}
+	cmd.Stdout, cmd.Stderr = w, w
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	n.enforcers[dev] = cmd
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	client := n.Client(dev)
+	return Poll(10*time.Second, func() error {
+		select {
+		case <-exited:
+			return &permanent{fmt.Errorf("e2e: mgpu-enforcer --device %d exited: %v", dev, cmd.ProcessState)}
+		default:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_, err := client.List(ctx)
+		return err
+	})
+}
+
+// KillEnforcer sends sig to device dev's enforcer and waits until it is
+// gone.
+func (n *Node) KillEnforcer(dev int, sig syscall.Signal) error {
+	n.mu.Lock()
+	cmd := n.enforcers[dev]
+	delete(n.enforcers, dev)
+	n.mu.Unlock()
+	if cmd == nil {
+		return fmt.Errorf("e2e: no enforcer for device %d", dev)
+	}
+	if err := cmd.Process.Signal(sig); err != nil {
+		return err
+	}
+	return Poll(10*time.Second, func() error {
+		if cmd.Process.Signal(syscall.Signal(0)) == nil {
+			return errors.New("enforcer still runs")
+		}
+		return nil
+	})
+}
+
+// Client is a control-API client of device dev.
+func (n *Node) Client(dev int) *api.Client {
+	return api.NewClient(api.ControlSocket(filepath.Join(n.RunDir, fmt.Sprintf("gpu%d", dev))))
+}
+
+// Instances runs `mgpu-cli instance list --output json` (every device).
+func (n *Node) Instances() ([]api.Instance, error) {
+	var stdout, stderr bytes.Buffer
+	cmd := exec.Command(n.CLI, "--config", n.ConfigPath, "instance", "list", "--output", "json") //nolint:gosec // the build's binary
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		return nil, fmt.Errorf("mgpu-cli instance list: %w: %s", err, strings.TrimSpace(stderr.String()))
+	}
+	var list []api.Instance
+	if err := json.Unmarshal(stdout.Bytes(), &list); err != nil {
+		return nil, fmt.Errorf("mgpu-cli instance list: %w: %q", err, stdout.String())
+	}
+	return list, nil
+}
+
+// Stat reads the simulated devices' records.
+func (n *Node) Stat() (fakecuda.State, error) { return fakecuda.StatWith(n.Ctl, n.FakeState) }
+
+// Close stops the enforcers, removes the CDI specs and the node's files.
+// Containers must be gone first (Engine.Cleanup).
+func (n *Node) Close() error {
+	n.mu.Lock()
+	enf := n.enforcers
+	n.enforcers = map[int]*exec.Cmd{}
+	specs := n.specs
+	n.specs = nil
+	n.mu.Unlock()
+	for _, c := range enf {
+		_ = c.Process.Signal(syscall.SIGTERM)
+	}
+	for _, c := range enf {
+		_ = Poll(5*time.Second, func() error {
+			if c.Process.Signal(syscall.Signal(0)) == nil {
+				return errors.New("running")
+			}
+			return nil
+		})
+		_ = c.Process.Kill()
+	}
+	var errs []error
+	for _, f := range specs {
+		if err := os.Remove(f); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	errs = append(errs, removeAll(n.Dir))
+	return errors.Join(errs...)
+}
+
+// removeAll removes dir; bind-mount targets runc left in the root
+// filesystem are plain directories and files, so this is os.RemoveAll,
+// except that a leftover mount (a container killed mid-way) is detached
+// first.
+func removeAll(dir string) error {
+	if err := os.RemoveAll(dir); err == nil {
+		return nil
+	}
+	if data, err := os.ReadFile("/proc/self/mounts"); err == nil {
+		lines := strings.Split(string(data), "\n")
+		for i := len(lines) - 1; i >= 0; i-- {
+			f := strings.Fields(lines[i])
+			if len(f) > 1 && strings.HasPrefix(f[1], dir+"/") {
+				_ = syscall.Unmount(f[1], syscall.MNT_DETACH)
+			}
+		}
+	}
+	return os.RemoveAll(dir)
+}
+
+// PIDNamespace returns the inode of the pid namespace of host process pid.
+func PIDNamespace(pid int) (uint64, error) {
+	var st syscall.Stat_t
+	if err := syscall.Stat(fmt.Sprintf("/proc/%d/ns/pid", pid), &st); err != nil {
+		return 0, err
+	}
+	return st.Ino, nil
+}
+
+// permanent stops Poll at once.
+type permanent struct{ error }
+
+func (p *permanent) Unwrap() error { return p.error }
+
+// Poll calls cond every 10 ms until it returns nil, returns an error that
+// wraps *permanent, or timeout passes.
+func Poll(timeout time.Duration, cond func() error) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		err := cond()
+		if err == nil {
+			return nil
+		}
+		var p *permanent
+		if errors.As(err, &p) {
+			return p.error
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("gave up after %v: %w", timeout, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// run runs name with args (stdout and stderr together) under a timeout.
+func run(ctx context.Context, timeout time.Duration, env []string, name string, args ...string) (string, error) {
+	var out bytes.Buffer
+	err := runTo(ctx, timeout, env, &out, &out, name, args...)
+	return out.String(), err
+}
+
+// runStdout runs name with args and returns its stdout; stderr goes into
+// the error.
+func runStdout(ctx context.Context, timeout time.Duration, name string, args ...string) (string, error) {
+	var out, stderr bytes.Buffer
+	err := runTo(ctx, timeout, nil, &out, &stderr, name, args...)
+	if err != nil {
+		err = fmt.Errorf("%s %s: %w: %s", filepath.Base(name), strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+	}
+	return out.String(), err
+}
+
+func runTo(ctx context.Context, timeout time.Duration, env []string, stdout, stderr io.Writer, name string, args ...string) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, name, args...) //nolint:gosec // test commands
+	cmd.Stdout, cmd.Stderr = stdout, stderr
+	if env != nil {
+		cmd.Env = env
+	}
+	cmd.WaitDelay = 5 * time.Second
+	err := cmd.Run()
+	if ctx.Err() != nil {
+		err = fmt.Errorf("%s timed out after %s: %w", filepath.Base(name), timeout, ctx.Err())
+	}
+	return err
+}
+
+func copyFile(src, dst string, mode os.FileMode) error {
+	data, err := os.ReadFile(src) //nolint:gosec // build outputs and system libraries
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil { //nolint:gosec // a root filesystem
+		return err
+	}
+	return os.WriteFile(dst, data, mode)
+}

@@ -1,0 +1,67 @@
+// Command probe attaches to a device's enforcer from inside a container the
+// way the shim does (the client socket under $MGPU_RUN_DIR), maps the
+// region file descriptor it is given and prints, one key=value per line,
+// what the region says about the instance:
+//
+//	probe [-device X] [-hold DURATION]
+//
+//	attach=ok slot=S device=X instance=Y
+//	region.device=X region.instance=Y region.core=C region.memory_limit=B region.slot_pid=P
+//
+// or attach=refused / attach=error with the reason (exit status 1). With
+// -hold it keeps the attachment for that long (the enforcer counts the
+// process) and prints "holding". The e2e tests run it statically linked, so
+// the preloaded shim plays no part in it.
+package main
+
+import (
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mgpu-dev/mgpu/enforcer/attach"
+	"github.com/mgpu-dev/mgpu/enforcer/region"
+)
+
+func main() {
+	dev := flag.Int("device", 0, "device index")
+	hold := flag.Duration("hold", 0, "keep the attachment this long")
+	flag.Parse()
+	runDir := os.Getenv("MGPU_RUN_DIR")
+	if runDir == "" {
+		runDir = "/run/mgpu"
+	}
+	sock := filepath.Join(runDir, "gpu"+strconv.Itoa(*dev), "client", "client.sock")
+	res, err := attach.Dial(sock, 5*time.Second)
+	if err != nil {
+		if re, ok := err.(*attach.RefusedError); ok { //nolint:errorlint // Dial returns it unwrapped
+			fmt.Printf("attach=refused status=%s message=%q\n", re.Status, re.Message)
+		} else {
+			fmt.Printf("attach=error error=%q\n", err.Error())
+		}
+		os.Exit(1)
+	}
+	fmt.Printf("attach=ok slot=%d device=%d instance=%d\n", res.Slot, res.DeviceIndex, res.InstanceID)
+	mem, err := unix.Mmap(int(res.Region.Fd()), 0, region.FileSize, unix.PROT_READ, unix.MAP_SHARED) //nolint:gosec // fds fit in int
+	if err != nil {
+		fmt.Printf("region=error error=%q\n", err.Error())
+		os.Exit(1)
+	}
+	l := (*region.Layout)(unsafe.Pointer(&mem[0])) //nolint:gosec // the region ABI
+	slotPID := uint32(0)
+	if int(res.Slot) < region.MaxProcs {
+		slotPID = l.Procs[res.Slot].PID.Load()
+	}
+	fmt.Printf("region.magic_ok=%v region.device=%d region.instance=%d region.core=%d region.memory_limit=%d region.slot_pid=%d\n",
+		l.Magic == region.Magic, l.DeviceIndex, l.InstanceID, l.Core, l.MemoryLimit, slotPID)
+	if *hold > 0 {
+		fmt.Println("holding")
+		time.Sleep(*hold) // the attachment is what is held
+	}
+}
