@@ -6,8 +6,11 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -197,16 +200,6 @@ func (e *env) waitInstances(t *testing.T, want int, within time.Duration) time.D
 	return time.Since(start)
 }
 
-func (e *env) instanceOf(t *testing.T, cid string) api.Instance {
-	t.Helper()
-	for _, in := range e.instances(t) {
-		if in.ContainerID == cid {
-			return in
-		}
-	}
-	t.Fatalf("no instance for container %s", cid)
-	return api.Instance{}
-}
 
 // refusalKey is how an engine names a request key in the hook's message:
 // ctr passes annotations, podman environment variables.
@@ -287,4 +280,156 @@ func lineWith(out, s string) string {
 		}
 	}
 	return ""
+}
+
+// sh wraps a command line for a container whose output goes to
+// /e2e/<name>.log (the node's IODir on the host).
+func sh(name, cmdline string) []string {
+	return []string{"/bin/sh", "-c", fmt.Sprintf("exec >/e2e/%s.log 2>&1; %s", name, cmdline)}
+}
+
+func (e *env) output(name string) string {
+	b, _ := os.ReadFile(filepath.Join(e.n.IODir, name+".log"))
+	return string(b)
+}
+
+func (e *env) waitOutput(t *testing.T, name, s string, within time.Duration) {
+	t.Helper()
+	if err := Poll(within, func() error {
+		if !strings.Contains(e.output(name), s) {
+			return fmt.Errorf("no %q yet", s)
+		}
+		return nil
+	}); err != nil {
+		t.Fatalf("%s: %v; output:\n%s", name, err, e.output(name))
+	}
+}
+
+// nsPids lists the host pids of the processes in pid namespace ns.
+func nsPids(ns uint64) []int {
+	var pids []int
+	ents, _ := os.ReadDir("/proc")
+	for _, ent := range ents {
+		pid, err := strconv.Atoi(ent.Name())
+		if err != nil {
+			continue
+		}
+		if got, err := PIDNamespace(pid); err == nil && got == ns {
+			pids = append(pids, pid)
+		}
+	}
+	return pids
+}
+
+// startAttached starts c and waits until its instance has attached
+// processes.
+func (e *env) startAttached(t *testing.T, eng Engine, c Container, procs int) api.Instance {
+	t.Helper()
+	if out, err := eng.Start(context.Background(), c); err != nil {
+		t.Fatalf("start %s: %v\n%s", c.ID, err, out)
+	}
+	pid, err := eng.InitPID(context.Background(), c.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var in api.Instance
+	if err := Poll(20*time.Second, func() error {
+		for _, i := range e.instances(t) {
+			if i.PID == pid { // podman's container id is not its name
+				in = i
+				if i.Processes >= procs {
+					return nil
+				}
+			}
+		}
+		return fmt.Errorf("instance %+v has not %d processes attached", in, procs)
+	}); err != nil {
+		t.Fatalf("%s: %v\nlogs: %s", c.ID, err, e.output(c.ID))
+	}
+	return in
+}
+
+// Acceptance 2: an instance lives exactly as long as its container: it is
+// gone within 2 s after the container exits, after its processes are
+// killed with SIGKILL, and (ctr) after the engine's shim is killed.
+func TestInstanceReleased(t *testing.T) {
+	e := setup(t, NodeOptions{}, useCtr|usePodman)
+	ctx := context.Background()
+	const within = 2 * time.Second
+	for _, eng := range e.engines {
+		t.Run(eng.Name(), func(t *testing.T) {
+			// A CUDA workload runs to its end.
+			c := e.container("exits", "30", "4096", "/bin/mgpu-workload", "compute", "--kernel-us", "1000", "--depth", "2", "--seconds", "0.3")
+			out, err := eng.Run(ctx, c)
+			if err != nil || !strings.Contains(out, "launches=") {
+				t.Fatalf("workload in a container: %v\n%s", err, out)
+			}
+			t.Logf("exit: released %v after the engine returned", e.waitInstances(t, 0, within))
+
+			// SIGKILL of every process of the container (init too).
+			c = e.container("killed", "30", "4096")
+			c.Args = sh(c.ID, "/bin/sleep 3600 & exec /bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 100 --hold-ms -1")
+			e.startAttached(t, eng, c, 1)
+			pid, err := eng.InitPID(ctx, c.ID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ns, err := PIDNamespace(pid)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pids := nsPids(ns)
+			start := time.Now()
+			for _, p := range pids {
+				_ = syscall.Kill(p, syscall.SIGKILL)
+			}
+			e.waitInstances(t, 0, within)
+			t.Logf("kill -9 of %d processes: released after %v", len(pids), time.Since(start))
+			if err := eng.Remove(ctx, c.ID); err != nil {
+				t.Fatal(err)
+			}
+
+			if eng.Name() != "ctr" {
+				return // podman has no shim that owns the container (conmon only watches it)
+			}
+			c = e.container("shimkilled", "30", "4096")
+			c.Args = sh(c.ID, "/bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 100 --hold-ms -1")
+			e.startAttached(t, eng, c, 1)
+			if pid, err = eng.InitPID(ctx, c.ID); err != nil {
+				t.Fatal(err)
+			}
+			shim, ok := parentOf(pid)
+			if !ok || !strings.Contains(cmdline(shim), "containerd-shim-runc-v2") {
+				t.Fatalf("the parent of the container's init %d is %d (%q), not the shim", pid, shim, cmdline(shim))
+			}
+			start = time.Now()
+			if err := syscall.Kill(shim, syscall.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			e.waitInstances(t, 0, within)
+			t.Logf("kill -9 of the shim: released after %v", time.Since(start))
+		})
+	}
+}
+
+func parentOf(pid int) (int, bool) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, false
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, false
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 2 {
+		return 0, false
+	}
+	pp, err := strconv.Atoi(f[1])
+	return pp, err == nil
+}
+
+func cmdline(pid int) string {
+	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	return strings.ReplaceAll(string(b), "\x00", " ")
 }
