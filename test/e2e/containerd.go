@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"time"
@@ -146,6 +147,11 @@ func (c *Containerd) tail() string {
 	return string(data)
 }
 
+func (c *Containerd) log() string {
+	data, _ := os.ReadFile(c.Log)
+	return string(data)
+}
+
 // Close kills and deletes every task and container of the namespace, stops
 // containerd (SIGTERM, then SIGKILL after 10 s) and removes its directory.
 func (c *Containerd) Close() error {
@@ -170,9 +176,17 @@ func (c *Containerd) Close() error {
 			<-c.exited
 		}
 	}
+	// A shim that was killed leaves its socket behind; the log names them.
+	for _, sock := range shimSocketRe.FindAllString(c.log(), -1) {
+		_ = os.Remove(strings.TrimPrefix(sock, "unix://"))
+	}
 	errs = append(errs, removeAll(c.Dir))
 	return errors.Join(errs...)
 }
+
+// shimSocketRe matches the shim sockets containerd logs ("connecting to
+// shim ... address=unix:///run/containerd/s/<hash>").
+var shimSocketRe = regexp.MustCompile(`unix:///run/containerd/s/[0-9a-f]{64}`)
 
 // LogTail is the end of containerd's log (for failure reports).
 func (c *Containerd) LogTail(w io.Writer) { _, _ = io.WriteString(w, c.tail()) }
