@@ -433,3 +433,188 @@ func cmdline(pid int) string {
 	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
 	return strings.ReplaceAll(string(b), "\x00", " ")
 }
+
+// instanceByPID finds the instance whose init is pid.
+func (e *env) instanceByPID(t *testing.T, pid int) api.Instance {
+	t.Helper()
+	for _, in := range e.instances(t) {
+		if in.PID == pid {
+			return in
+		}
+	}
+	t.Fatalf("no instance for init pid %d", pid)
+	return api.Instance{}
+}
+
+func (e *env) stats(t *testing.T, name string) api.InstanceStats {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	list, err := e.n.Client(0).Stats(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range list {
+		if s.Name == name {
+			return s
+		}
+	}
+	t.Fatalf("no stats for %s in %+v", name, list)
+	return api.InstanceStats{}
+}
+
+// kv parses key=value words.
+func kv(out string) map[string]string {
+	m := map[string]string{}
+	for _, f := range strings.Fields(out) {
+		if k, v, ok := strings.Cut(f, "="); ok {
+			m[k] = v
+		}
+	}
+	return m
+}
+
+// Acceptance 3: from inside a container (running as root) there is no path
+// to the control socket or to any region file; a process that attaches
+// through the client socket gets its own container's instance, and nothing
+// else of the run directory is reachable.
+func TestContainerIsolation(t *testing.T) {
+	e := setup(t, NodeOptions{}, useCtr|usePodman)
+	ctx := context.Background()
+	run := e.n.RunDir
+	script := strings.Join([]string{
+		`echo "uid $(id -u)"`,
+		`echo "gpu0 $(ls -A ` + run + `/gpu0)"`,
+		`echo "run $(ls -A ` + run + `)"`,
+		`stat ` + run + `/gpu0/control.sock >/dev/null 2>&1 && echo "control visible" || echo "control absent"`,
+		`ls ` + run + `/gpu0/regions >/dev/null 2>&1 && echo "regions visible" || echo "regions absent"`,
+		`find / -path /proc -prune -o -path /sys -prune -o \( -name 'mgpu*inst*' -o -name control.sock -o -name instances.json -o -name enforcer.lock \) -print | sed 's/^/found /'`,
+		`grep -o " ` + run + `[^ ]*" /proc/mounts | sed 's/^ /mount /'`,
+	}, "; ")
+	for _, eng := range e.engines {
+		t.Run(eng.Name(), func(t *testing.T) {
+			var ids []string
+			var insts []api.Instance
+			for i, core := range []string{"30", "20"} {
+				c := e.container(fmt.Sprintf("iso%d", i), core, "4096", "/bin/sleep", "3600")
+				if out, err := eng.Start(ctx, c); err != nil {
+					t.Fatalf("start: %v\n%s", err, out)
+				}
+				pid, err := eng.InitPID(ctx, c.ID)
+				if err != nil {
+					t.Fatal(err)
+				}
+				ids, insts = append(ids, c.ID), append(insts, e.instanceByPID(t, pid))
+			}
+			out, err := eng.Exec(ctx, ids[0], "/bin/sh", "-c", script)
+			t.Logf("inside %s:\n%s", ids[0], out)
+			if err != nil {
+				t.Fatalf("exec: %v", err)
+			}
+			for _, want := range []string{"uid 0\n", "gpu0 client\n", "run gpu0\n", "control absent\n", "regions absent\n",
+				"mount " + run + "/gpu0/client\n"} {
+				if !strings.Contains(out, want) {
+					t.Errorf("inside the container: no %q", want)
+				}
+			}
+			if strings.Contains(out, "found ") || strings.Count(out, "mount ") != 1 {
+				t.Errorf("the container reaches more of the run directory than client/")
+			}
+
+			// Attach from each container: each gets its own instance.
+			for i, id := range ids {
+				out, err := eng.Exec(ctx, id, "/bin/probe")
+				t.Logf("probe in %s (instance %s):\n%s", id, insts[i].Name, out)
+				if err != nil {
+					t.Fatalf("probe: %v", err)
+				}
+				m := kv(out)
+				want := map[string]string{
+					"attach": "ok", "device": "0", "instance": strconv.Itoa(insts[i].ID),
+					"region.magic_ok": "true", "region.device": "0", "region.instance": strconv.Itoa(insts[i].ID),
+					"region.core": strconv.Itoa(insts[i].Core), "region.memory_limit": strconv.Itoa(4096 << 20),
+				}
+				for k, v := range want {
+					if m[k] != v {
+						t.Errorf("probe in %s: %s=%q, want %q", id, k, m[k], v)
+					}
+				}
+				if m["region.slot_pid"] == "0" || m["region.slot_pid"] == "" {
+					t.Errorf("probe in %s: its slot holds no pid", id)
+				}
+				if !strings.Contains(out, "no such file or directory") {
+					t.Errorf("probe in %s: the region's host path opens inside the container", id)
+				}
+			}
+			// The shim attaches the container's CUDA processes to the same
+			// instance and reports its quota as the device's memory.
+			out, err = eng.Exec(ctx, ids[1], "/bin/mgpu-workload", "info")
+			if err != nil || kv(out)["device.0.total_mem"] != strconv.Itoa(4096<<20) {
+				t.Errorf("mgpu-workload info in %s: %v, want device.0.total_mem=%d:\n%s", ids[1], err, 4096<<20, out)
+			}
+			for _, id := range ids {
+				if err := eng.Remove(ctx, id); err != nil {
+					t.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// Acceptance 4: a process started later in a running container (exec)
+// joins the container's instance and shares its memory quota.
+func TestExecJoinsInstance(t *testing.T) {
+	e := setup(t, NodeOptions{}, useCtr|usePodman)
+	ctx := context.Background()
+	for _, eng := range e.engines {
+		t.Run(eng.Name(), func(t *testing.T) {
+			c := e.container("exec", "30", "4096")
+			c.Args = sh(c.ID, "exec /bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 3000 --hold-ms -1")
+			in := e.startAttached(t, eng, c, 1)
+			e.waitOutput(t, c.ID, "holding", 10*time.Second)
+
+			// 3000 + 2000 MiB > 4096: the exec'd process is refused ...
+			out, err := eng.Exec(ctx, c.ID, "/bin/mgpu-workload", "alloc", "--api", "cuMemAlloc_v2", "--mib", "2000")
+			if !strings.Contains(out, "CUDA_ERROR_OUT_OF_MEMORY") || !strings.Contains(out, "allocated=0") {
+				t.Errorf("exec'd 2000 MiB on top of 3000 of a 4096 MiB quota: %v\n%s", err, out)
+			}
+			// ... 3000 + 1000 fits; it is counted while it holds.
+			out, err = eng.Exec(ctx, c.ID, "/bin/sh", "-c", "/bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 1000 --hold-ms -1 >/e2e/"+c.ID+"-exec.log 2>&1 &")
+			if err != nil {
+				t.Fatalf("exec: %v\n%s", err, out)
+			}
+			e.waitOutput(t, c.ID+"-exec", "holding", 10*time.Second)
+			if err := Poll(5*time.Second, func() error {
+				st := e.stats(t, in.Name)
+				if len(st.Processes) != 2 || st.MemoryUsedBytes != 4000<<20 || st.MemoryLimitBytes != 4096<<20 {
+					return fmt.Errorf("%d processes, memory %d of %d bytes; want 2 and %d of %d",
+						len(st.Processes), st.MemoryUsedBytes, st.MemoryLimitBytes, 4000<<20, 4096<<20)
+				}
+				return nil
+			}); err != nil {
+				t.Errorf("instance %s: %v", in.Name, err)
+			}
+			if list := e.instances(t); len(list) != 1 {
+				t.Errorf("exec made another instance: %+v", list)
+			}
+			// The quota is full now: 100 more MiB from a third process fail.
+			out, _ = eng.Exec(ctx, c.ID, "/bin/mgpu-workload", "alloc", "--api", "cuMemAlloc_v2", "--mib", "100")
+			if !strings.Contains(out, "CUDA_ERROR_OUT_OF_MEMORY") {
+				t.Errorf("a third process allocated beyond the shared quota:\n%s", out)
+			}
+			if p, ok := eng.(*Podman); ok {
+				// podman exec without MGPU_RUN_DIR (see Podman.Exec): the
+				// process cannot attach, and fails closed, never unlimited.
+				out, err := p.ExecRaw(ctx, c.ID, "/bin/mgpu-workload", "alloc", "--api", "cuMemAlloc_v2", "--mib", "100")
+				t.Logf("podman exec without the spec's MGPU_RUN_DIR: %v\n%s", err, out)
+				if err == nil || !strings.Contains(out, "mgpu: cannot attach to /run/mgpu/gpu0/client/client.sock") {
+					t.Errorf("podman exec'd process without MGPU_RUN_DIR: want the shim's fail-closed line")
+				}
+			}
+			if err := eng.Remove(ctx, c.ID); err != nil {
+				t.Fatal(err)
+			}
+			e.waitInstances(t, 0, 2*time.Second)
+		})
+	}
+}

@@ -222,9 +222,18 @@ func (e *Podman) Start(ctx context.Context, c Container) (string, error) {
 	return run(ctx, engineTimeout, nil, e.Path, e.runArgs(c, "-d")...)
 }
 
-// Exec is `podman exec`.
+// Exec is `podman exec`, with MGPU_RUN_DIR set: podman 4.3 gives exec'd
+// processes the container's configured environment, without the CDI
+// spec's env edits (MGPU_RUN_DIR, MGPU_DEVICE_X), so on a node whose
+// run_dir is not the shim's default (/run/mgpu) they would not find the
+// client socket (TestExecJoinsInstance shows it). ExecRaw leaves it out.
 func (e *Podman) Exec(ctx context.Context, id string, args ...string) (string, error) {
-	return run(ctx, engineTimeout, nil, e.Path, append([]string{"exec", id}, args...)...)
+	return e.ExecRaw(ctx, append([]string{"--env", "MGPU_RUN_DIR=" + e.N.RunDir, id}, args...)...)
+}
+
+// ExecRaw is `podman exec ARGS...` as given.
+func (e *Podman) ExecRaw(ctx context.Context, args ...string) (string, error) {
+	return run(ctx, engineTimeout, nil, e.Path, append([]string{"exec"}, args...)...)
 }
 
 // InitPID is `podman inspect`'s State.Pid.

@@ -15,7 +15,7 @@ var specSeq atomic.Int64
 
 // Applets of the static busybox linked into the root filesystem's /bin.
 var busyboxApplets = []string{"sh", "cat", "ls", "stat", "test", "touch", "grep", "env", "echo", "sleep",
-	"sed", "readlink", "kill", "true", "false", "wc", "head", "ps", "mkdir", "cut"}
+	"sed", "readlink", "kill", "true", "false", "wc", "head", "ps", "mkdir", "cut", "find", "id"}
 
 // BuildRootfs writes a small root filesystem into dir for the containers:
 //   - Debian's static busybox (/bin/busybox and applets);

@@ -7,6 +7,7 @@
 //
 //	attach=ok slot=S device=X instance=Y
 //	region.device=X region.instance=Y region.core=C region.memory_limit=B region.slot_pid=P
+//	region.path=<the fd's link> region.path_open="<error opening that path>"
 //
 // or attach=refused / attach=error with the reason (exit status 1). With
 // -hold it keeps the attachment for that long (the enforcer counts the
@@ -60,6 +61,19 @@ func main() {
 	}
 	fmt.Printf("region.magic_ok=%v region.device=%d region.instance=%d region.core=%d region.memory_limit=%d region.slot_pid=%d\n",
 		l.Magic == region.Magic, l.DeviceIndex, l.InstanceID, l.Core, l.MemoryLimit, slotPID)
+	// The descriptor names the region file on the host; that path must not
+	// lead anywhere from inside the container.
+	path, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", res.Region.Fd()))
+	if err != nil {
+		path = "?"
+	}
+	open := "ok"
+	if f, err := os.Open(path); err != nil { //nolint:gosec // probing on purpose
+		open = err.Error()
+	} else {
+		_ = f.Close()
+	}
+	fmt.Printf("region.path=%s\nregion.path_open=%q\n", path, open)
 	if *hold > 0 {
 		fmt.Println("holding")
 		time.Sleep(*hold) // the attachment is what is held
