@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -615,6 +616,179 @@ func TestExecJoinsInstance(t *testing.T) {
 				t.Fatal(err)
 			}
 			e.waitInstances(t, 0, 2*time.Second)
+		})
+	}
+}
+
+// epsilon is the normative tolerance of a share, in percentage points.
+const epsilon = 2.0
+
+// window is how long shares are measured (MGPU_SHARE_WINDOW, seconds;
+// default 10, as the acceptance criteria say).
+func window() time.Duration {
+	if s := os.Getenv("MGPU_SHARE_WINDOW"); s != "" {
+		if v, err := strconv.ParseFloat(s, 64); err == nil && v > 0 {
+			return time.Duration(v * float64(time.Second))
+		}
+	}
+	return 10 * time.Second
+}
+
+// load is one container of a share measurement.
+type load struct {
+	core     string
+	workload string // mgpu-workload arguments; "%s" is replaced by the run's seconds
+	ready    string // what it prints when it is running ("start", or "idle ms=")
+}
+
+func saturating(core string) load {
+	return load{core, "compute --api launch --kernel-us 100 --depth 64 --seconds %s", "start"}
+}
+
+// running is a container of a measurement: its id and pid namespace.
+type running struct {
+	id string
+	ns uint64
+}
+
+// startLoads starts one container per load on device 0 and waits until
+// each runs; the workloads last for secs.
+func (e *env) startLoads(t *testing.T, eng Engine, loads []load, secs float64) []running {
+	t.Helper()
+	ctx := context.Background()
+	var rs []running
+	for i, l := range loads {
+		c := e.container(fmt.Sprintf("share%d", i), l.core, "1024")
+		c.Args = sh(c.ID, "exec /bin/mgpu-workload "+fmt.Sprintf(l.workload, strconv.FormatFloat(secs, 'f', 1, 64)))
+		if out, err := eng.Start(ctx, c); err != nil {
+			t.Fatalf("start %s: %v\n%s", c.ID, err, out)
+		}
+		pid, err := eng.InitPID(ctx, c.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ns, err := PIDNamespace(pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rs = append(rs, running{c.ID, ns})
+	}
+	for i, r := range rs {
+		e.waitOutput(t, r.id, loads[i].ready, 20*time.Second)
+	}
+	return rs
+}
+
+// sample is the simulated device's state at one moment.
+type sample struct {
+	at   time.Time
+	busy map[uint64]uint64 // per pid namespace
+	dev  uint64
+}
+
+func (e *env) sample(t *testing.T) sample {
+	t.Helper()
+	t0 := time.Now()
+	st, err := e.n.Stat()
+	t1 := time.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, ok := st.Device(0)
+	if !ok {
+		t.Fatalf("the simulated device 0 has no state: %+v", st)
+	}
+	s := sample{at: t0.Add(t1.Sub(t0) / 2), busy: map[uint64]uint64{}, dev: d.BusyNs}
+	for _, p := range d.Procs {
+		s.busy[p.PIDNS] += p.BusyNs
+	}
+	return s
+}
+
+// share is the percentage of device time pid namespace ns used between a
+// and b (ns 0: the whole device).
+func share(a, b sample, ns uint64) float64 {
+	wall := b.at.Sub(a.at)
+	if ns == 0 {
+		return 100 * float64(b.dev-a.dev) / float64(wall)
+	}
+	return 100 * float64(b.busy[ns]-a.busy[ns]) / float64(wall)
+}
+
+// measure lets running loads settle for warm and returns each container's
+// share of the device over win, and the device's.
+func (e *env) measure(t *testing.T, rs []running, warm, win time.Duration) ([]float64, float64) {
+	t.Helper()
+	time.Sleep(warm) // settling before the window, not synchronisation
+	a := e.sample(t)
+	time.Sleep(win) // the measurement window
+	b := e.sample(t)
+	shares := make([]float64, len(rs))
+	for i, r := range rs {
+		shares[i] = share(a, b, r.ns)
+		if strings.Contains(e.output(r.id), "launches=") && strings.Contains(e.output(r.id), "wall_ns=") {
+			t.Fatalf("%s ended during the window:\n%s", r.id, e.output(r.id))
+		}
+	}
+	return shares, share(a, b, 0)
+}
+
+func within(t *testing.T, what string, got, want float64) {
+	t.Helper()
+	if math.Abs(got-want) > epsilon {
+		t.Errorf("%s: %.2f%%, want %.0f ± %.0f", what, got, want, epsilon)
+	}
+}
+
+// Acceptance 5: containers get their policy's share of the simulated GPU,
+// measured from the device's own busy time per container (pid namespace)
+// over the window.
+func TestShares(t *testing.T) {
+	win, warm := window(), time.Second
+	secs := (warm + win + 10*time.Second).Seconds()
+	for _, tc := range []struct {
+		name, policy string
+		engines      int
+		loads        []load
+		check        func(t *testing.T, shares []float64, device float64)
+	}{
+		{"fixed-share 30/70", "fixed-share", useCtr | usePodman, []load{saturating("30"), saturating("70")},
+			func(t *testing.T, s []float64, _ float64) {
+				within(t, "core 30", s[0], 30)
+				within(t, "core 70", s[1], 70)
+			}},
+		{"guaranteed-burst-share 30/70, the 70 idle", "guaranteed-burst-share", useCtr, []load{saturating("30"),
+			{"70", "compute --api launch --kernel-us 100 --depth 64 --seconds %s --idle-ms 600000", "idle ms="}},
+			func(t *testing.T, s []float64, _ float64) {
+				if s[0] < 95 {
+					t.Errorf("with the 70 idle the 30 got %.2f%% of the device, want >= 95", s[0])
+				}
+				if s[1] > 0.5 {
+					t.Errorf("the idle 70 used %.2f%% of the device", s[1])
+				}
+			}},
+		{"native-burst-share 1:3", "native-burst-share", useCtr, []load{saturating("1"), saturating("3")},
+			func(t *testing.T, s []float64, _ float64) {
+				within(t, "weight 1", s[0], 25)
+				within(t, "weight 3", s[1], 75)
+			}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := setup(t, NodeOptions{Policies: map[int]string{0: tc.policy}}, tc.engines)
+			for _, eng := range e.engines {
+				t.Run(eng.Name(), func(t *testing.T) {
+					rs := e.startLoads(t, eng, tc.loads, secs)
+					shares, dev := e.measure(t, rs, warm, win)
+					t.Logf("%s, %s: shares over %v: %.2f (device %.2f%%)", tc.name, eng.Name(), win, shares, dev)
+					tc.check(t, shares, dev)
+					for _, r := range rs {
+						if err := eng.Remove(context.Background(), r.id); err != nil {
+							t.Fatal(err)
+						}
+					}
+					e.waitInstances(t, 0, 2*time.Second)
+				})
+			}
 		})
 	}
 }

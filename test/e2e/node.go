@@ -55,9 +55,9 @@ type Node struct {
 	FakeState  string // FAKECUDA_STATE_DIR, mounted into containers at the same path
 	IODir      string // mounted read-write at /e2e in containers: their output files
 	Rootfs     string // the containers' root filesystem
-	Build      string // the build directory (make build)
-	CLI        string // build/bin/mgpu-cli
-	Ctl        string // build/bin/fakecuda-ctl
+	Build      string // the node's snapshot of the build directory (make build)
+	CLI        string // mgpu-cli of the snapshot
+	Ctl        string // fakecuda-ctl of the snapshot
 
 	opts      NodeOptions
 	mu        sync.Mutex
@@ -80,12 +80,11 @@ func NewNode(opts NodeOptions) (n *Node, err error) {
 	if err != nil {
 		return nil, err
 	}
-	n = &Node{Build: build, opts: opts, enforcers: map[int]*exec.Cmd{},
-		CLI: filepath.Join(build, "bin", "mgpu-cli"), Ctl: filepath.Join(build, "bin", "fakecuda-ctl")}
-	for _, p := range []string{n.CLI, n.Ctl, n.bin("mgpu-enforcer"), n.bin("mgpu-hook"), n.bin("mgpu-workload"),
-		filepath.Join(build, "lib", "libmgpu-shim.so"), filepath.Join(build, "fakecuda", "libcuda.so.1")} {
-		if _, err := os.Stat(p); err != nil {
-			return nil, fmt.Errorf("e2e: %s is missing; run make build", p)
+	n = &Node{Build: build, opts: opts, enforcers: map[int]*exec.Cmd{}}
+	for _, p := range []string{"bin/mgpu-cli", "bin/fakecuda-ctl", "bin/mgpu-enforcer", "bin/mgpu-hook", "bin/mgpu-workload",
+		"lib/libmgpu-shim.so", "fakecuda/libcuda.so.1", "fakecuda/libnvidia-ml.so.1"} {
+		if _, err := os.Stat(filepath.Join(build, p)); err != nil {
+			return nil, fmt.Errorf("e2e: %s is missing; run make build", filepath.Join(build, p))
 		}
 	}
 	// Short paths: unix socket paths are limited to 108 bytes.
@@ -117,13 +116,24 @@ func NewNode(opts NodeOptions) (n *Node, err error) {
 			return nil, err
 		}
 	}
+	// A snapshot of the build, so that a rebuild of build/ while the node
+	// runs cannot mix two builds (the simulated driver's state layout).
+	snap := filepath.Join(n.Dir, "build")
+	for _, p := range []string{"bin/mgpu-cli", "bin/fakecuda-ctl", "bin/mgpu-enforcer", "bin/mgpu-hook", "bin/mgpu-workload",
+		"lib/libmgpu-shim.so", "fakecuda/libcuda.so.1", "fakecuda/libnvidia-ml.so.1"} {
+		if err := copyFile(filepath.Join(build, p), filepath.Join(snap, p), 0o755); err != nil {
+			return nil, err
+		}
+	}
+	n.Build = snap
+	n.CLI, n.Ctl = n.bin("mgpu-cli"), n.bin("fakecuda-ctl")
 	if err := copyFile(n.bin("mgpu-hook"), filepath.Join(n.Prefix, "bin", "mgpu-hook"), 0o755); err != nil {
 		return nil, err
 	}
-	if err := copyFile(filepath.Join(build, "lib", "libmgpu-shim.so"), filepath.Join(n.Prefix, "lib", "mgpu", "libmgpu-shim.so"), 0o755); err != nil {
+	if err := copyFile(filepath.Join(snap, "lib", "libmgpu-shim.so"), filepath.Join(n.Prefix, "lib", "mgpu", "libmgpu-shim.so"), 0o755); err != nil {
 		return nil, err
 	}
-	if err := BuildRootfs(n.Rootfs, build); err != nil {
+	if err := BuildRootfs(n.Rootfs, snap); err != nil {
 		return nil, err
 	}
 	var b strings.Builder

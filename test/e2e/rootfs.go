@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"strings"
 	"sync/atomic"
+
+	"github.com/mgpu-dev/mgpu/test/fakecuda"
 )
 
 var specSeq atomic.Int64
@@ -125,10 +127,15 @@ func lddDeps(obj, fakeDir string) (map[string]string, error) {
 	return deps, nil
 }
 
-// repoRoot is the module root above the build directory (build/ is at the
-// root unless MGPU_BUILD says otherwise; then the working directory's).
+// repoRoot is the module root above the build directory, above
+// fakecuda.BuildDir() (build/ is at the root unless MGPU_BUILD says
+// otherwise), or above the working directory.
 func repoRoot(build string) (string, error) {
-	for _, start := range []string{filepath.Dir(build), "."} {
+	starts := []string{filepath.Dir(build)}
+	if b, err := fakecuda.BuildDir(); err == nil {
+		starts = append(starts, filepath.Dir(b))
+	}
+	for _, start := range append(starts, ".") {
 		dir, err := filepath.Abs(start)
 		if err != nil {
 			return "", err
