@@ -792,3 +792,75 @@ func TestShares(t *testing.T) {
 		})
 	}
 }
+
+// Acceptance 6: the enforcer is killed (SIGKILL) and started again while
+// two containers run: their instances survive, their processes keep their
+// shares and quotas, and new CUDA processes in them attach.
+func TestEnforcerRestart(t *testing.T) {
+	e := setup(t, NodeOptions{}, useCtr)
+	eng, ctx := e.ctr, context.Background()
+	win := window()
+	secs := strconv.FormatFloat((2*win + 30*time.Second).Seconds(), 'f', 1, 64)
+	var rs []running
+	for _, core := range []string{"30", "70"} {
+		c := e.container("restart"+core, core, "1024")
+		c.Args = sh(c.ID, "/bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 800 --hold-ms -1 & "+
+			"exec /bin/mgpu-workload compute --api launch --kernel-us 100 --depth 64 --seconds "+secs)
+		e.startAttached(t, eng, c, 2)
+		e.waitOutput(t, c.ID, "start", 20*time.Second)
+		e.waitOutput(t, c.ID, "holding", 20*time.Second)
+		pid, err := eng.InitPID(ctx, c.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ns, err := PIDNamespace(pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rs = append(rs, running{c.ID, ns})
+	}
+	shares, dev := e.measure(t, rs, time.Second, win)
+	t.Logf("before the restart: shares over %v: %.2f (device %.2f%%)", win, shares, dev)
+	within(t, "core 30 before the restart", shares[0], 30)
+	within(t, "core 70 before the restart", shares[1], 70)
+	before := e.instances(t)
+	start := time.Now()
+	if err := e.n.KillEnforcer(0, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.n.StartEnforcer(0); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("enforcer killed and serving again after %v", time.Since(start))
+	after := e.instances(t)
+	if len(after) != 2 {
+		t.Fatalf("after the restart: %+v, before: %+v", after, before)
+	}
+	for i := range before {
+		if before[i].Name != after[i].Name || before[i].ContainerID != after[i].ContainerID || before[i].Core != after[i].Core ||
+			before[i].MemoryMiB != after[i].MemoryMiB {
+			t.Errorf("instance changed across the restart: %+v -> %+v", before[i], after[i])
+		}
+	}
+	shares, dev = e.measure(t, rs, time.Second, win)
+	t.Logf("after the restart: shares over %v: %.2f (device %.2f%%)", win, shares, dev)
+	within(t, "core 30 after the restart", shares[0], 30)
+	within(t, "core 70 after the restart", shares[1], 70)
+
+	for _, r := range rs {
+		// 800 MiB of 1024 are held: the quota still holds for a new process ...
+		out, _ := eng.Exec(ctx, r.id, "/bin/mgpu-workload", "alloc", "--api", "cuMemAlloc_v2", "--mib", "300")
+		if !strings.Contains(out, "CUDA_ERROR_OUT_OF_MEMORY") || !strings.Contains(out, "allocated=0") {
+			t.Errorf("%s: 300 MiB on top of 800 of 1024 after the restart:\n%s", r.id, out)
+		}
+		// ... which attaches to the new enforcer and gets what is left.
+		out, err := eng.Exec(ctx, r.id, "/bin/mgpu-workload", "alloc", "--api", "cuMemAlloc_v2", "--mib", "200")
+		if err != nil || !strings.Contains(out, "allocated=1") {
+			t.Errorf("%s: a new CUDA process after the restart: %v\n%s", r.id, err, out)
+		}
+		out, err = eng.Exec(ctx, r.id, "/bin/mgpu-workload", "info")
+		if err != nil || kv(out)["device.0.total_mem"] != strconv.Itoa(1024<<20) {
+			t.Errorf("%s: mgpu-workload info after the restart: %v\n%s", r.id, err, out)
+		}
+	}
+}
