@@ -864,3 +864,83 @@ func TestEnforcerRestart(t *testing.T) {
 		}
 	}
 }
+
+// Acceptance 7: 20 containers created at once against a device with room
+// for 10: exactly 10 start, the other 10 are refused with the enforcer's
+// line, and the device is never over-committed.
+func TestConcurrentAdmission(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		engines int
+		opts    NodeOptions
+		core    string
+		refusal string
+	}{
+		{"ctr core 10 each under fixed-share", useCtr, NodeOptions{}, "10",
+			"mgpu: device 0 has 0% compute free under fixed-share (100% allocated), container asks 10%"},
+		{"podman max_instances 10", usePodman, NodeOptions{MaxInstances: 10}, "5",
+			"mgpu: device 0 already has 10 instances, the most it admits (max_instances = 10)"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := setup(t, tc.opts, tc.engines)
+			eng, ctx := e.engines[0], context.Background()
+			const n = 20
+			outs, errs := make([]string, n), make([]error, n)
+			ids := make([]string, n)
+			for i := range ids {
+				ids[i] = id("crowd")
+			}
+			var wg sync.WaitGroup
+			start := time.Now()
+			for i := 0; i < n; i++ {
+				wg.Add(1)
+				go func(i int) {
+					defer wg.Done()
+					c := Container{ID: ids[i], Kind: e.kind, Devices: []string{"0"}, Core: tc.core, Memory: "1024",
+						Args: []string{"/bin/sleep", "3600"}}
+					outs[i], errs[i] = eng.Start(ctx, c)
+				}(i)
+			}
+			wg.Wait()
+			t.Logf("%d containers created at once in %v", n, time.Since(start))
+			started, refused := 0, 0
+			for i := 0; i < n; i++ {
+				switch {
+				case errs[i] == nil:
+					started++
+				case strings.Contains(outs[i], tc.refusal):
+					refused++
+				default:
+					t.Errorf("container %d failed otherwise: %v\n%s", i, errs[i], outs[i])
+				}
+			}
+			if started != 10 || refused != 10 {
+				t.Errorf("%d started, %d refused; want 10 and 10", started, refused)
+			}
+			running := 0
+			for _, cid := range ids {
+				if _, err := eng.InitPID(ctx, cid); err == nil {
+					running++
+				}
+			}
+			list := e.instances(t)
+			ctx2, cancel := context.WithTimeout(ctx, 5*time.Second)
+			defer cancel()
+			dev, err := e.n.Client(0).Device(ctx2)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("%d running, %d instances, device: %d instances, core sum %d, memory %d MiB allocated",
+				running, len(list), dev.Instances, dev.CoreSum, dev.MemoryAllocatedMiB)
+			if running != 10 || len(list) != 10 || dev.Instances != 10 || dev.CoreSum > 100 || dev.MemoryAllocatedMiB > dev.MemoryMiB {
+				t.Errorf("over-committed or out of step: %d running, %d instances, %+v", running, len(list), dev)
+			}
+			for _, cid := range ids {
+				if err := eng.Remove(ctx, cid); err != nil {
+					t.Error(err)
+				}
+			}
+			e.waitInstances(t, 0, 5*time.Second)
+		})
+	}
+}
