@@ -40,6 +40,11 @@ lint: deps
 demo: build
 	$(BUILD)/bin/mgpu-cli --config packaging/config/sim-node.toml device info -a
 
+# e2e: the container tests (test/e2e; root, runc, containerd 2.x, podman:
+# test/e2e/deps.sh installs them; see docs/e2e.md).
+e2e: build
+	$(GO) test -count=1 -timeout 20m ./test/e2e/...
+
 clean:
 	rm -rf $(BUILD)
 
