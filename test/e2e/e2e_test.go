@@ -45,12 +45,13 @@ const (
 	usePodman             // podman
 )
 
-func setup(t *testing.T, opts NodeOptions, engines int) *env {
+// requirements checks what the engines need and returns containerd's
+// directory and podman's path (for those asked for).
+func requirements(t *testing.T, engines int) (cdBin, podman string) {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		need(t, "needs root: containers with device nodes, CDI specs in %s (run test/e2e/deps.sh, then go test as root)", CDISpecDir)
 	}
-	var cdBin, podman string
 	if engines&useCtr != 0 {
 		var err error
 		if cdBin, err = ContainerdBinaries(); err != nil {
@@ -69,6 +70,12 @@ func setup(t *testing.T, opts NodeOptions, engines int) *env {
 	if _, err := os.Stat("/bin/busybox"); err != nil {
 		need(t, "/bin/busybox missing: install busybox-static (test/e2e/deps.sh)")
 	}
+	return cdBin, podman
+}
+
+func setup(t *testing.T, opts NodeOptions, engines int) *env {
+	t.Helper()
+	cdBin, podman := requirements(t, engines)
 	logs := &syncBuffer{}
 	if opts.Log == nil {
 		opts.Log = logs
@@ -200,7 +207,6 @@ func (e *env) waitInstances(t *testing.T, want int, within time.Duration) time.D
 	}
 	return time.Since(start)
 }
-
 
 // refusalKey is how an engine names a request key in the hook's message:
 // ctr passes annotations, podman environment variables.
@@ -942,5 +948,25 @@ func TestConcurrentAdmission(t *testing.T) {
 			}
 			e.waitInstances(t, 0, 5*time.Second)
 		})
+	}
+}
+
+// Acceptance 8 (the measurement is HookBench, for `make bench`): a short
+// run, for both engines, shows that it works and what the hooks cost.
+func TestHookBench(t *testing.T) {
+	requirements(t, useCtr|usePodman)
+	n := 5
+	if s := os.Getenv("MGPU_HOOKBENCH_N"); s != "" {
+		n, _ = strconv.Atoi(s)
+	}
+	for _, engine := range []string{"ctr", "podman"} {
+		res, err := HookBench(context.Background(), HookBenchOptions{N: n, Engine: engine})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("hook cost: %s", res)
+		if len(res.CreateWith) != n || len(res.CreateWithout) != n {
+			t.Errorf("%s: %d and %d containers measured, want %d each", engine, len(res.CreateWith), len(res.CreateWithout), n)
+		}
 	}
 }
