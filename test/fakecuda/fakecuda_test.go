@@ -152,7 +152,7 @@ func TestExportsMatchTheList(t *testing.T) {
 			t.Fatal(err)
 		}
 		syms, err := f.DynamicSymbols()
-		f.Close()
+		_ = f.Close()
 		if err != nil {
 			t.Fatal(err)
 		}
