@@ -22,9 +22,10 @@ import (
 type Proc struct {
 	PID     int    `json:"pid"`
 	PIDNS   uint64 `json:"pidns"`
-	BusyNs  uint64 `json:"busy_ns"`
-	Kernels uint64 `json:"kernels"`
-	MemUsed uint64 `json:"mem_used"`
+	BusyNs   uint64 `json:"busy_ns"`   // time it held the device (kernels and the gaps of its slice)
+	KernelNs uint64 `json:"kernel_ns"` // time its kernels ran
+	Kernels  uint64 `json:"kernels"`
+	MemUsed  uint64 `json:"mem_used"`
 	Alive   bool   `json:"alive"`
 }
 
@@ -35,7 +36,8 @@ type Device struct {
 	UUID     string `json:"uuid"`
 	MemTotal uint64 `json:"mem_total"`
 	MemUsed  uint64 `json:"mem_used"`
-	BusyNs   uint64 `json:"busy_ns"`
+	BusyNs   uint64 `json:"busy_ns"`   // time some process held the device
+	KernelNs uint64 `json:"kernel_ns"` // time kernels ran
 	Kernels  uint64 `json:"kernels"`
 	Procs    []Proc `json:"procs"`
 }

@@ -81,16 +81,17 @@ static int stat_cmd(void)
         fc_uuid_string(idx[k], uuid, sizeof(uuid));
         printf("%s{\"index\":%d,\"name\":", k ? "," : "", idx[k]);
         json_string(snap.name);
-        printf(",\"uuid\":\"%s\",\"mem_total\":%llu,\"mem_used\":%llu,\"busy_ns\":%llu,\"kernels\":%llu,\"procs\":[",
+        printf(",\"uuid\":\"%s\",\"mem_total\":%llu,\"mem_used\":%llu,\"busy_ns\":%llu,\"kernel_ns\":%llu,\"kernels\":%llu,\"procs\":[",
                uuid, (unsigned long long)snap.mem_total, (unsigned long long)snap.mem_used,
-               (unsigned long long)snap.busy_ns, (unsigned long long)snap.kernels);
+               (unsigned long long)snap.busy_ns, (unsigned long long)snap.kernel_ns, (unsigned long long)snap.kernels);
         int first = 1;
         for (int i = 0; i < FC_MAX_PROCS; i++) {
             struct fc_proc *p = &snap.procs[i];
             if (p->state == FC_PROC_FREE)
                 continue;
-            printf("%s{\"pid\":%d,\"pidns\":%llu,\"busy_ns\":%llu,\"kernels\":%llu,\"mem_used\":%llu,\"alive\":%s}",
+            printf("%s{\"pid\":%d,\"pidns\":%llu,\"busy_ns\":%llu,\"kernel_ns\":%llu,\"kernels\":%llu,\"mem_used\":%llu,\"alive\":%s}",
                    first ? "" : ",", p->pid, (unsigned long long)p->pidns, (unsigned long long)p->busy_ns,
+                   (unsigned long long)p->kernel_ns,
                    (unsigned long long)p->kernels, (unsigned long long)p->mem_used, p->state == FC_PROC_ALIVE ? "true" : "false");
             first = 0;
         }

@@ -843,29 +843,67 @@ static void event_complete(struct CUevent_st *e, uint64_t gen);
 static void event_unref(struct CUevent_st *e);
 static void free_linear(CUdeviceptr p);
 
-static void run_kernel(CUcontext c, uint64_t dur)
+/* The device a stream worker holds between consecutive kernels (time slice). */
+struct held {
+    struct fc_dev *d;
+    uint64_t ticket;
+    int proc;
+    uint64_t mark; /* held since; not yet recorded */
+};
+
+/* Gives the device back, recording the held time since the last kernel. */
+static void held_release(struct held *hd)
+{
+    if (hd->d) {
+        fc_exec_release(hd->d, hd->ticket, hd->proc, fc_now_ns() - hd->mark);
+        hd->d = NULL;
+    }
+}
+
+static void run_kernel(CUcontext c, uint64_t dur, struct held *hd)
 {
     if (dur == 0)
         return; /* takes no device time */
     int h = c->host;
     struct fc_dev *d = g.dev[h];
     int proc = g.proc[h];
-    uint64_t t = fc_exec_acquire(d, proc);
+    if (hd->d && hd->d != d) {
+        held_release(hd);
+    } else if (hd->d) {
+        uint64_t now = fc_now_ns();
+        if (fc_exec_continue(hd->d, hd->ticket, hd->proc, now - hd->mark))
+            hd->mark = now;
+        else
+            hd->d = NULL; /* the slice ended: fc_exec_continue handed the device on */
+    }
+    if (!hd->d) {
+        hd->ticket = fc_exec_acquire(d, proc);
+        hd->d = d;
+        hd->proc = proc;
+        hd->mark = fc_now_ns();
+    }
     uint64_t t0 = fc_now_ns();
     uint64_t end = t0 + dur;
     struct timespec ts = {(time_t)(end / 1000000000ULL), (long)(end % 1000000000ULL)};
     while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
         ;
-    fc_exec_release(d, t, proc, fc_now_ns() - t0);
+    uint64_t t1 = fc_now_ns();
+    /* Recorded now, so that a process that exits right after its last
+     * kernel leaves a complete record. */
+    fc_exec_account(d, hd->ticket, proc, t1 - hd->mark, t1 - t0);
+    hd->mark = t1;
 }
 
 static void *worker_main(void *p)
 {
     struct CUstream_st *s = p;
+    struct held hd = {0};
     prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL); /* kernels end on time, not 50 us late */
     for (;;) {
         uint64_t h = atomic_load(&s->head);
         if (h == atomic_load(&s->tail)) {
+            /* nothing queued: the device goes back before the worker sleeps */
+            held_release(&hd);
             if (atomic_load(&s->stop))
                 break;
             uint32_t w = atomic_load(&s->wseq);
@@ -879,7 +917,7 @@ static void *worker_main(void *p)
         }
         struct fc_op op = s->ring[h & (FC_RING - 1)];
         switch (op.kind) {
-        case OP_KERNEL: run_kernel(s->ctx, op.arg); break;
+        case OP_KERNEL: run_kernel(s->ctx, op.arg, &hd); break;
         case OP_EVENT:
             event_complete(op.ptr, op.arg);
             event_unref(op.ptr);

@@ -151,6 +151,8 @@ static int create_file(const char *dir, const char *path, int index)
     if (d == MAP_FAILED)
         goto out;
     d->layout = FC_LAYOUT;
+    d->slice_proc = -1;
+    d->slice_ns = (uint64_t)env_long("FAKECUDA_TIMESLICE_US", 4000, 0, 1000000) * 1000;
     d->index = (uint32_t)index;
     d->size = sizeof(*d);
     snprintf(d->name, sizeof(d->name), "%s", fc_env_name());
@@ -326,6 +328,7 @@ int fc_proc_register(struct fc_dev *d, int pid, uint64_t pidns)
             p->pid = pid;
             p->pidns = pidns;
             p->busy_ns = 0;
+            p->kernel_ns = 0;
             p->mem_used = 0;
             p->kernels = 0;
         }
@@ -337,11 +340,21 @@ int fc_proc_register(struct fc_dev *d, int pid, uint64_t pidns)
 /* Hands the device to the oldest live waiter (or leaves it idle). */
 static void grant_next_locked(struct fc_dev *d)
 {
+    uint64_t now = fc_now_ns();
+    int in_slice = d->slice_proc >= 0 && now < d->slice_end_ns;
     for (;;) {
         int best = -1;
-        for (int w = 0; w < FC_MAX_WAITERS; w++)
-            if (d->wq[w].ticket && (best < 0 || d->wq[w].ticket < d->wq[best].ticket))
-                best = w;
+        /* While a process's time slice runs, its own waiters go first (a
+         * real GPU switches contexts at slice boundaries, not per kernel). */
+        if (in_slice)
+            for (int w = 0; w < FC_MAX_WAITERS; w++)
+                if (d->wq[w].ticket && d->wq[w].proc == d->slice_proc &&
+                    (best < 0 || d->wq[w].ticket < d->wq[best].ticket))
+                    best = w;
+        if (best < 0)
+            for (int w = 0; w < FC_MAX_WAITERS; w++)
+                if (d->wq[w].ticket && (best < 0 || d->wq[w].ticket < d->wq[best].ticket))
+                    best = w;
         if (best < 0) {
             d->owner_ticket = 0;
             d->owner_proc = -1;
@@ -368,6 +381,10 @@ static void grant_next_locked(struct fc_dev *d)
         }
         d->owner_ticket = wt.ticket;
         d->owner_proc = wt.proc;
+        if (wt.proc != d->slice_proc || !in_slice) {
+            d->slice_proc = wt.proc; /* a new slice begins */
+            d->slice_end_ns = now + d->slice_ns;
+        }
         break;
     }
     __atomic_add_fetch(&d->seq, 1, __ATOMIC_SEQ_CST);
@@ -381,6 +398,10 @@ uint64_t fc_exec_acquire(struct fc_dev *d, int proc)
     if (d->owner_ticket == 0 && d->nwait == 0) {
         d->owner_ticket = t;
         d->owner_proc = proc;
+        if (proc != d->slice_proc || fc_now_ns() >= d->slice_end_ns) {
+            d->slice_proc = proc;
+            d->slice_end_ns = fc_now_ns() + d->slice_ns;
+        }
         fc_dev_unlock(d);
         return t;
     }
@@ -419,16 +440,32 @@ uint64_t fc_exec_acquire(struct fc_dev *d, int proc)
     return t;
 }
 
+/* Records held time and kernels for proc (under mu). */
+static void account_locked(struct fc_dev *d, int proc, uint64_t busy_ns, uint64_t kernel_ns, uint64_t kernels)
+{
+    d->busy_ns += busy_ns;
+    d->kernel_ns += kernel_ns;
+    d->kernels += kernels;
+    if (proc >= 0 && proc < FC_MAX_PROCS) {
+        d->procs[proc].busy_ns += busy_ns;
+        d->procs[proc].kernel_ns += kernel_ns;
+        d->procs[proc].kernels += kernels;
+    }
+}
+
+void fc_exec_account(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns, uint64_t kernel_ns)
+{
+    fc_dev_lock(d);
+    if (d->owner_ticket == ticket)
+        account_locked(d, proc, busy_ns, kernel_ns, 1);
+    fc_dev_unlock(d);
+}
+
 void fc_exec_release(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns)
 {
     fc_dev_lock(d);
     if (d->owner_ticket == ticket) {
-        d->busy_ns += busy_ns;
-        d->kernels++;
-        if (proc >= 0 && proc < FC_MAX_PROCS) {
-            d->procs[proc].busy_ns += busy_ns;
-            d->procs[proc].kernels++;
-        }
+        account_locked(d, proc, busy_ns, 0, 0);
         if (d->nwait > 0) {
             grant_next_locked(d);
         } else {
@@ -437,6 +474,29 @@ void fc_exec_release(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_
         }
     }
     fc_dev_unlock(d);
+}
+
+int fc_exec_continue(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns)
+{
+    fc_dev_lock(d);
+    if (d->owner_ticket != ticket) {
+        fc_dev_unlock(d);
+        return 0;
+    }
+    account_locked(d, proc, busy_ns, 0, 0);
+    uint64_t now = fc_now_ns();
+    int keep = 0;
+    if (d->nwait == 0) {
+        keep = 1; /* nobody waits: the slice goes on */
+        d->slice_proc = proc;
+        d->slice_end_ns = now + d->slice_ns;
+    } else if (d->slice_proc == proc && now < d->slice_end_ns) {
+        keep = 1;
+    }
+    if (!keep)
+        grant_next_locked(d);
+    fc_dev_unlock(d);
+    return keep;
 }
 
 int fc_mem_reserve(struct fc_dev *d, int proc, uint64_t bytes)
@@ -472,10 +532,12 @@ void fc_dev_reset(struct fc_dev *d)
     fc_dev_lock(d);
     fc_reap_locked(d);
     d->busy_ns = 0;
+    d->kernel_ns = 0;
     d->kernels = 0;
     for (int i = 0; i < FC_MAX_PROCS; i++) {
         struct fc_proc *p = &d->procs[i];
         p->busy_ns = 0;
+        p->kernel_ns = 0;
         p->kernels = 0;
         if (p->state == FC_PROC_DEAD) {
             p->state = FC_PROC_FREE;

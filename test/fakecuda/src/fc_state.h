@@ -23,7 +23,7 @@
 #define FC_MAX_PROCS 1024
 #define FC_MAX_WAITERS 256
 #define FC_MAGIC 0x41445543454b4146ULL /* "FAKECUDA" */
-#define FC_LAYOUT 2
+#define FC_LAYOUT 3
 #define FC_NAME_LEN 96
 
 enum { FC_PROC_FREE = 0, FC_PROC_ALIVE = 1, FC_PROC_DEAD = 2 };
@@ -35,9 +35,10 @@ struct fc_proc {
     int32_t state;
     int32_t pid;    /* getpid() in the process's own pid namespace */
     uint64_t pidns; /* inode of its /proc/self/ns/pid (0: unknown) */
-    uint64_t busy_ns;
+    uint64_t busy_ns;   /* time it held the device (its kernels and the gaps between them in its slice) */
     uint64_t mem_used;
     uint64_t kernels;
+    uint64_t kernel_ns; /* time its kernels ran */
 };
 
 struct fc_waiter {
@@ -56,14 +57,17 @@ struct fc_dev {
     pthread_mutex_t mu;
     /* guarded by mu */
     uint64_t mem_used;
-    uint64_t busy_ns;
+    uint64_t busy_ns;   /* time some process held the device */
     uint64_t kernels;
+    uint64_t kernel_ns; /* time kernels ran */
     uint64_t next_ticket;
     uint64_t owner_ticket; /* 0: device idle */
     int32_t owner_proc;
     uint32_t nwait;
     uint32_t seq; /* futex word: bumped on every hand-over */
-    uint32_t pad;
+    int32_t slice_proc;    /* process whose time slice runs; -1: none */
+    uint64_t slice_end_ns; /* when that slice ends (CLOCK_MONOTONIC) */
+    uint64_t slice_ns;     /* FAKECUDA_TIMESLICE_US, in ns */
     struct fc_waiter wq[FC_MAX_WAITERS];
     struct fc_proc procs[FC_MAX_PROCS];
 };
@@ -105,7 +109,17 @@ int fc_proc_register(struct fc_dev *d, int pid, uint64_t pidns);
 
 /* Exclusive kernel execution, FIFO among waiters. */
 uint64_t fc_exec_acquire(struct fc_dev *d, int proc);
+/* Records a kernel that just ended on the device the caller holds: busy_ns
+ * is the time held since the last record (what the worker did before the
+ * kernel while holding, and the kernel), kernel_ns the kernel's own time. */
+void fc_exec_account(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns, uint64_t kernel_ns);
+/* Releases the device; busy_ns: time held since the last record. */
 void fc_exec_release(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns);
+/* Before the next kernel of one stream: records busy_ns as fc_exec_release
+ * does and returns 1 if the caller may keep the device for it (its
+ * process's time slice runs, or nobody waits: the slice is renewed);
+ * otherwise releases the device and returns 0. */
+int fc_exec_continue(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns);
 
 /* Device memory accounting: 0, or -1 when over the device total. */
 int fc_mem_reserve(struct fc_dev *d, int proc, uint64_t bytes);
