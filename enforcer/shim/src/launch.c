@@ -8,10 +8,14 @@
  *
  * Measured GPU time.  Per stream, launches are grouped into batches of
  * per_mark launches.  A batch starts with a timing event recorded just before
- * its first launch (it completes when the stream reaches it: at the end of
- * the previous work if the stream was busy, at once if it was idle, so idle
- * time before the batch is never counted) and ends with a "mark", a timing
- * event recorded after its last launch.  Completed batches are placed on one
+ * its first launch when the stream is busy (it completes at the end of the
+ * previous work, so the batch is timed from there).  When the stream is idle,
+ * an event recorded before the launch would complete at once, and the time
+ * the first kernel then waits for the device (behind another instance's
+ * queued tail, after a hand-off) would be charged to this process; so an idle
+ * stream's batch starts with an event recorded just after its first launch,
+ * and that first launch is charged at the measured mean.  A batch ends with a
+ * "mark", a timing event recorded after its last launch.  Completed batches are placed on one
  * GPU timeline per device (elapsed time from an anchor event) and gpu_ns
  * grows by the part of each batch not already covered by another batch of
  * the process: two streams of one process that time-share the GPU are
@@ -35,6 +39,9 @@
 #include <unistd.h>
 
 #include "shim.h"
+#ifdef MGPU_TRACE
+#include <stdio.h>
+#endif
 
 #define MGPU_RING 64                 /* outstanding marks per stream */
 #define MGPU_POOL (2 * MGPU_RING + 4) /* events per stream */
@@ -49,6 +56,9 @@
 struct mark {
     CUevent ref; /* where the batch started */
     CUevent end; /* recorded after its last launch */
+    CUevent ref0;       /* idle start: recorded before the first launch (NULL: none) */
+    uint64_t first_est; /* idle start: the estimate of one launch when the batch began */
+    int idle;           /* the batch began on an idle stream: ref follows its first launch */
     uint64_t at;     /* stream launch count at the mark */
     uint64_t est_at; /* est_total at the mark */
 };
@@ -68,6 +78,10 @@ struct sstate {
     uint64_t marked;    /* launch count at the newest mark */
     uint64_t completed; /* launch count at the newest completed mark */
     CUevent batch_ref;  /* start of the open batch; NULL: none open */
+    int ref_after;      /* idle start: record batch_ref after the launch in flight */
+    int batch_idle;     /* the open batch began on an idle stream */
+    CUevent batch_ref0; /* its event before the first launch */
+    uint64_t batch_first; /* first_est of the open batch */
     struct mark ring[MGPU_RING];
     unsigned head, count;
     CUevent pool[MGPU_POOL];
@@ -160,7 +174,7 @@ static int elapsed_ns(CUevent a, CUevent b, int64_t *out)
 
 /* GPU time of a completed batch [ref, end] not yet counted for the process.
  * May keep ref or end as the device's anchor (*kept says which). */
-static uint64_t batch_time(struct sstate *ss, CUevent ref, CUevent end, uint64_t dur, int *kept)
+static uint64_t batch_time(struct sstate *ss, CUevent ref, CUevent end, uint64_t dur, uint64_t first, int *kept)
 {
     struct gclock *c = &g_clock[ss->dev->ordinal];
     *kept = 0;
@@ -173,6 +187,8 @@ static uint64_t batch_time(struct sstate *ss, CUevent ref, CUevent end, uint64_t
     if (elapsed_ns(c->anchor, ref, &a) || (int64_t)c->anchor_ns + a < 0)
         return dur; /* not on this timeline (another context): count it whole */
     uint64_t s = (uint64_t)((int64_t)c->anchor_ns + a);
+    /* an idle start's first kernel ran (about) just before ref */
+    s = s > first ? s - first : 0;
     uint64_t add = busy_add(c, s, s + dur);
     if (s - c->anchor_ns > MGPU_REANCHOR_NS && *kept == 0) {
         /* keep timeline offsets small so float milliseconds stay precise */
@@ -242,6 +258,10 @@ static void ss_reset(struct sstate *ss)
     atomic_store(&ss->capturing, 0);
     ss->marked = ss->completed = 0;
     ss->batch_ref = NULL;
+    ss->ref_after = 0;
+    ss->batch_idle = 0;
+    ss->batch_ref0 = NULL;
+    ss->batch_first = 0;
     ss->head = ss->count = ss->npool = ss->nevents = 0;
     ss->avg_ns = 0;
     ss->per_mark = 1;
@@ -277,6 +297,19 @@ static void set_queued(struct sstate *ss, uint64_t pending)
     atomic_store_explicit(&ss->dev->slot->queued_ns, *tot, memory_order_relaxed);
 }
 
+/* Feeds one per-launch sample to the estimate.  Waiting (behind another
+ * instance's work, for the host) only ever makes a sample too long: follow
+ * samples down fast and up slowly, and damp outliers. */
+static void learn(struct sstate *ss, uint64_t sample)
+{
+    if (!ss->avg_ns)
+        ss->avg_ns = sample ? sample : 1;
+    else if (sample < ss->avg_ns)
+        ss->avg_ns = (ss->avg_ns + sample + 1) / 2;
+    else
+        ss->avg_ns = (7 * ss->avg_ns + (sample > 2 * ss->avg_ns ? 2 * ss->avg_ns : sample) + 4) / 8;
+}
+
 /* Processes the stream's completed marks, oldest first. */
 static void poll_ss(struct sstate *ss, uint64_t pending)
 {
@@ -289,18 +322,41 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
         int kept = 0;
         if (r == CUDA_SUCCESS && m->ref) {
             int64_t dur;
-            if (elapsed_ns(m->ref, m->end, &dur) == 0 && dur > 0) {
+            if (elapsed_ns(m->ref, m->end, &dur) == 0 && dur >= 0) {
                 uint64_t n = m->at > ss->completed ? m->at - ss->completed : 1;
-                uint64_t sample = (uint64_t)dur / n;
-                /* damp outliers (a batch delayed by something else) */
-                if (ss->avg_ns && sample > 2 * ss->avg_ns)
-                    sample = 2 * ss->avg_ns;
-                ss->avg_ns = ss->avg_ns ? (3 * ss->avg_ns + sample + 2) / 4 : (sample ? sample : 1);
-                gpu += batch_time(ss, m->ref, m->end, (uint64_t)dur, &kept);
+                uint64_t timed = m->idle && n > 0 ? n - 1 : n; /* launches between ref and end */
+                /* An idle start's first launch: from ref0 to ref it waited
+                 * (perhaps behind another instance's tail) and ran.  It is
+                 * charged that, but no more than one launch's estimate. */
+                uint64_t first = 0;
+                int64_t k1;
+                if (m->idle && m->ref0 && elapsed_ns(m->ref0, m->ref, &k1) == 0 && k1 > 0) {
+                    first = (uint64_t)k1;
+                    if (m->first_est && first > m->first_est)
+                        first = m->first_est;
+                    /* k1 includes any wait, so it is an upper bound: it may
+                     * seed the estimate or lower it, never raise it. */
+                    if (!ss->avg_ns || (uint64_t)k1 < ss->avg_ns)
+                        learn(ss, (uint64_t)k1);
+                }
+                if (dur > 0 && timed > 0)
+                    learn(ss, (uint64_t)dur / timed);
+                if (dur > 0 || first) {
+                    uint64_t add = batch_time(ss, m->ref, m->end, (uint64_t)dur + first, first, &kept);
+                    gpu += add;
+#ifdef MGPU_TRACE
+                    struct timespec tts;
+                    clock_gettime(CLOCK_MONOTONIC, &tts);
+                    fprintf(stderr, "mgpu-trace %d t=%llu n=%llu dur=%lld first=%llu avg=%llu add=%llu\n", (int)getpid(),
+                            (unsigned long long)tts.tv_sec * 1000000000ull + (unsigned long long)tts.tv_nsec, (unsigned long long)n, (long long)dur,
+                            (unsigned long long)first, (unsigned long long)ss->avg_ns, (unsigned long long)add);
+#endif
+                }
             }
         }
         ss->completed = m->at > ss->completed ? m->at : ss->completed;
         ss->est_done = m->est_at > ss->est_done ? m->est_at : ss->est_done;
+        ev_put(ss, m->ref0);
         if (kept == 1)
             ss->nevents--; /* the anchor left the pool */
         else
@@ -352,9 +408,14 @@ static int record_mark(struct sstate *ss, uint64_t at, uint64_t pending)
     }
     fold(ss, at);
     unsigned i = (ss->head + ss->count) % MGPU_RING;
-    ss->ring[i] = (struct mark){.ref = ss->batch_ref, .end = e, .at = at, .est_at = ss->est_total};
+    ss->ring[i] = (struct mark){
+        .ref = ss->batch_ref, .end = e, .at = at, .est_at = ss->est_total, .first_est = ss->batch_first,
+        .idle = ss->batch_idle, .ref0 = ss->batch_ref0};
     ss->count++;
     ss->batch_ref = NULL;
+    ss->batch_ref0 = NULL;
+    ss->batch_first = 0;
+    ss->batch_idle = 0;
     ss->marked = at;
     return 0;
 }
@@ -378,6 +439,12 @@ static int may_launch(const struct sstate *ss, uint64_t n)
         return 1;
     if (!ss->cur_est)
         return out < 2; /* not measured yet: learn the kernel time first */
+    /* A second launch may always wait behind the running one when a launch
+     * fits the bound: a one-deep pipeline drains before every launch and
+     * idles the device while the host wakes.  The tail after a revoke stays
+     * within two bounds. */
+    if (out == 1 && ss->cur_est <= ss->dev->max_queued_ns)
+        return 1;
     return ss->cur_est <= room(ss);
 }
 
@@ -390,6 +457,8 @@ static void set_check(struct sstate *ss, uint64_t n)
             b = ss->completed + 2;
         else
             b = n + room(ss) / ss->cur_est; /* the first launch that must check again */
+        if (ss->cur_est && ss->cur_est <= ss->dev->max_queued_ns && b < ss->completed + 2)
+            b = ss->completed + 2; /* see may_launch: two outstanding */
         if (b < next)
             next = b;
     }
@@ -420,12 +489,21 @@ static void pre_launch(struct sstate *ss, uint64_t n)
             break;
         poll_ss(ss, 1);
     }
-    if (ss->marked == n - 1 && !ss->batch_ref) {
-        CUevent e = ev_get(ss);
-        if (e && REAL(cuEventRecord)(e, stream_handle(ss)) == CUDA_SUCCESS)
-            ss->batch_ref = e;
-        else
-            ev_put(ss, e);
+    if (ss->marked == n - 1 && !ss->batch_ref && !ss->ref_after) {
+        if (ss->count == 0) {
+            ss->ref_after = 1; /* idle: start the batch after this launch */
+            CUevent e0 = ev_get(ss);
+            if (e0 && REAL(cuEventRecord)(e0, stream_handle(ss)) == CUDA_SUCCESS)
+                ss->batch_ref0 = e0;
+            else
+                ev_put(ss, e0);
+        } else {
+            CUevent e = ev_get(ss);
+            if (e && REAL(cuEventRecord)(e, stream_handle(ss)) == CUDA_SUCCESS)
+                ss->batch_ref = e;
+            else
+                ev_put(ss, e);
+        }
     }
     set_check(ss, n);
     pthread_mutex_unlock(&mgpu_acct_mu);
@@ -438,8 +516,30 @@ static void post_launch(struct sstate *ss, uint64_t n, CUresult r)
     if (r != CUDA_SUCCESS) {
         uint64_t exp = n;
         atomic_compare_exchange_strong(&ss->submitted, &exp, n - 1);
-    } else if (ss->gen == mgpu_generation && n >= ss->marked + ss->per_mark) {
-        record_mark(ss, n, 0);
+        if (ss->ref_after) {
+            ss->ref_after = 0;
+            ev_put(ss, ss->batch_ref0); /* recorded, completes at once: reusable */
+            ss->batch_ref0 = NULL;
+        }
+    } else if (ss->gen == mgpu_generation) {
+        if (ss->ref_after) {
+            ss->ref_after = 0;
+            CUevent e = ev_get(ss);
+            if (e && REAL(cuEventRecord)(e, stream_handle(ss)) == CUDA_SUCCESS) {
+                ss->batch_ref = e;
+                ss->batch_idle = 1;
+                ss->batch_first = ss->avg_ns; /* 0 before the first measurement */
+            } else {
+                ev_put(ss, e);
+                ev_put(ss, ss->batch_ref0);
+                ss->batch_ref0 = NULL;
+            }
+        }
+        /* an idle start's batch times its launches after the first: keep
+         * it open for at least one more */
+        uint64_t len = ss->batch_idle && ss->per_mark < 2 ? 2 : ss->per_mark;
+        if (n >= ss->marked + len)
+            record_mark(ss, n, 0);
     }
     set_queued(ss, 0);
     set_check(ss, n);
@@ -529,6 +629,13 @@ static inline struct sstate *lookup(struct mgpu_dev *d, uintptr_t key)
 
 static __attribute__((noinline)) void wait_grant(struct mgpu_dev *d)
 {
+    /* End the open batches first: a batch left open across the wait would be
+     * timed over the other instances' turns and charge them to us. */
+    pthread_mutex_lock(&mgpu_acct_mu);
+    for (struct sstate *ss = g_streams; ss; ss = ss->next)
+        if (ss->dev == d && ss->batch_ref)
+            flush_ss(ss);
+    pthread_mutex_unlock(&mgpu_acct_mu);
     atomic_fetch_add(&d->slot->waiting, 1);
     uint64_t t0 = now_ns();
     while (atomic_load(&d->region->grant) == 0) {
