@@ -388,7 +388,7 @@ func (e *Enforcer) params(in *instance) region.Params {
 		Policy: uint32(in.policy), Core: uint32(in.core), //nolint:gosec // 1..100
 		MemoryLimit: in.memMiB << 20,
 		PeriodNs:    uint64(e.settings.Period()),      //nolint:gosec // positive
-		MaxQueuedNs: uint64(arbiter.DefaultMaxQueued), //nolint:gosec // positive
+		MaxQueuedNs: uint64(maxQueued), //nolint:gosec // positive
 	}
 }
 
@@ -458,9 +458,23 @@ func (e *Enforcer) applyPendingLocked() {
 	e.arb = e.newArbiter()
 }
 
+// handoff is how the grant moves between instances. The shim times an idle
+// stream's first launch from after it (charging that launch at most one
+// launch's estimate), so a new holder is not charged for waiting behind the
+// previous holder's tail: granting at once is accurate and keeps the device
+// busy, where draining idles it and overlap's discount would correct twice.
+const handoff = arbiter.HandoffImmediate
+
+// maxQueued bounds each process's queued GPU work (the region's
+// max_queued_ns). 2 ms keeps the device fed through the wake-up latency of a
+// loaded host and still ends a slice within about 2 ms of its grant; with
+// 1 ms a queue of two 500 µs kernels drained between launches and accuracy
+// fell (docs/arbiter.md, "Production settings").
+const maxQueued = 2 * time.Millisecond
+
 func (e *Enforcer) newArbiter() *arbiter.Arbiter {
 	s := e.settings
-	c := arbiter.Config{Policy: s.ComputePolicy, Period: s.Period(), MaxQueued: arbiter.DefaultMaxQueued}
+	c := arbiter.Config{Policy: s.ComputePolicy, Period: s.Period(), MaxQueued: maxQueued, Handoff: handoff}
 	if s.ComputePolicy == policy.NativeBurstShare {
 		c.Quantum = s.NativeSlice()
 	}

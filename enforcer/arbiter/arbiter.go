@@ -234,7 +234,10 @@ func New(cfg Config) *Arbiter {
 		fixed:     cfg.Policy == policy.FixedShare || !cfg.Policy.Valid(),
 		period:    float64(cfg.Period),
 		quantum:   cfg.Quantum,
-		hyst:      float64(cfg.Quantum) / 5,
+		// A hold shorter than the previous holder's queued tail is pure
+		// loss (the tails interleave), so the hysteresis is never below
+		// twice the queue bound.
+		hyst:      max(float64(cfg.Quantum)/5, 2*float64(cfg.MaxQueued)),
 		maxQueued: float64(cfg.MaxQueued),
 		handoff:   cfg.Handoff,
 		index:     make(map[int]int),

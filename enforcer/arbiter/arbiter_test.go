@@ -67,18 +67,19 @@ func TestFixedShareNeedsCredit(t *testing.T) {
 	a.Add(1, 50)
 	u := map[int]Usage{1: {Waiting: true}}
 	// Credit starts at 0; the entry threshold is the hysteresis
-	// (Quantum/5 = 1 ms), earned at 0.5 ms per ms.
-	only(t, a.Tick(0, u))
-	only(t, a.Tick(ms, u))
-	only(t, a.Tick(2*ms, u), 1)
-	if s := a.Stats(1); !s.Holding || s.Grants != 1 || s.Credit != ms {
+	// (max(Quantum/5, 2*MaxQueued) = 2 ms), earned at 0.5 ms per ms.
+	for i := 0; i < 4; i++ {
+		only(t, a.Tick(time.Duration(i)*ms, u))
+	}
+	only(t, a.Tick(4*ms, u), 1)
+	if s := a.Stats(1); !s.Holding || s.Grants != 1 || s.Credit != 2*ms {
 		t.Fatalf("stats %+v", s)
 	}
-	// It ran 3 ms of GPU work in the next tick: credit 1 + 0.5 - 3 < 0.
+	// It ran 3 ms of GPU work in the next tick: credit 2 + 0.5 - 3 < 0.
 	u[1] = Usage{GPUTime: 3 * ms, Launches: 60, Queued: ms}
-	only(t, a.Tick(3*ms, u))
+	only(t, a.Tick(5*ms, u))
 	s := a.Stats(1)
-	if s.Credit != -1500*us || s.Used != 3*ms || s.Charged != 3*ms || s.Granted != ms {
+	if s.Credit != -500*us || s.Used != 3*ms || s.Charged != 3*ms || s.Granted != ms {
 		t.Fatalf("stats %+v", s)
 	}
 }
