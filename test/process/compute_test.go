@@ -33,8 +33,12 @@ func measureShares(t *testing.T, p policy.Policy, loads []load, warm, win time.D
 	t.Helper()
 	n := newNode(t, harness.NodeConfig{Policies: map[int]policy.Policy{0: p}})
 	secs := (warm + win + 5*time.Second).Seconds()
-	var jobs []*harness.Job
+	procs := make([]harness.Proc, len(loads))
 	for i, l := range loads {
+		sh, err := n.Shell(0, l.core, 1024)
+		if err != nil {
+			t.Fatal(err)
+		}
 		args := []string{}
 		if len(l.args) > 0 && l.args[0] == "--resolve" {
 			args = append(args, l.args[:2]...)
@@ -42,50 +46,31 @@ func measureShares(t *testing.T, p policy.Policy, loads []load, warm, win time.D
 		}
 		args = append(args, "compute", "--seconds", fmt.Sprintf("%.1f", secs))
 		args = append(args, l.args...)
-		j, err := n.Start(harness.RunSpec{Name: fmt.Sprintf("w%d", i), Device: 0, Core: l.core, MemoryMiB: 1024, Args: args})
-		if err != nil {
-			t.Fatal(err)
-		}
-		jobs = append(jobs, j)
-	}
-	for _, j := range jobs {
-		err := harness.WaitFor(15*time.Second, func() error {
-			if strings.Contains(j.Output(), "start") {
-				return nil
-			}
-			select {
-			case <-j.Done():
-				return fmt.Errorf("exited early: %s", j.Output())
-			default:
-				return fmt.Errorf("not started: %q", j.Output())
-			}
-		})
-		if err != nil {
+		if procs[i], err = sh.Spawn(args...); err != nil {
 			t.Fatal(err)
 		}
 	}
-	time.Sleep(warm) // measurement window, not synchronisation
-	pids := make([]map[int]bool, len(jobs))
-	for i, j := range jobs {
-		pids[i] = j.Pids()
+	for _, pr := range procs {
+		if err := pr.WaitOutput("start", 15*time.Second); err != nil {
+			t.Fatal(err)
+		}
 	}
+	time.Sleep(warm) // settling time before the window, not synchronisation
 	a, err := n.Sample()
 	if err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(win)
+	time.Sleep(win) // the measurement window
 	b, err := n.Sample()
 	if err != nil {
 		t.Fatal(err)
 	}
-	shares := make([]float64, len(jobs))
-	for i := range jobs {
-		select {
-		case <-jobs[i].Done():
-			t.Fatalf("workload %d ended during the window:\n%s", i, jobs[i].Output())
-		default:
+	shares := make([]float64, len(procs))
+	for i, pr := range procs {
+		if !pr.Alive() {
+			t.Fatalf("workload %d ended during the window:\n%s", i, pr.Output())
 		}
-		shares[i] = harness.Share(a, b, 0, pids[i])
+		shares[i] = harness.Share(a, b, 0, map[int]bool{pr.PID: true})
 	}
 	t.Logf("%s shares over %v: %v (device %.2f%%)", p, win, round(shares), harness.Share(a, b, 0, nil))
 	return shares
@@ -152,33 +137,36 @@ func TestNativeBurstShare(t *testing.T) {
 func TestGuaranteedBurstShare(t *testing.T) {
 	n := newNode(t, harness.NodeConfig{Policies: map[int]policy.Policy{0: policy.GuaranteedBurstShare}})
 	const idle = 4 * time.Second
-	a, err := n.Start(harness.RunSpec{Device: 0, Core: 30, MemoryMiB: 1024,
-		Args: []string{"compute", "--api", "launch", "--kernel-us", "100", "--depth", "64", "--seconds", "12"}})
+	sa, err := n.Shell(0, 30, 1024)
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := n.Start(harness.RunSpec{Device: 0, Core: 70, MemoryMiB: 1024,
-		Args: []string{"compute", "--api", "launch", "--kernel-us", "100", "--depth", "64", "--seconds", "6", "--idle-ms", strconv.Itoa(int(idle / time.Millisecond))}})
+	sb, err := n.Shell(0, 70, 1024)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, j := range []*harness.Job{a, b} {
-		if err := harness.WaitFor(15*time.Second, func() error {
-			if strings.Contains(j.Output(), "start") || strings.Contains(j.Output(), "idle ms=") {
-				return nil
-			}
-			return fmt.Errorf("not ready: %q", j.Output())
-		}); err != nil {
-			t.Fatal(err)
-		}
+	a, err := sa.Spawn("compute", "--api", "launch", "--kernel-us", "100", "--depth", "64", "--seconds", "12")
+	if err != nil {
+		t.Fatal(err)
 	}
-	time.Sleep(500 * time.Millisecond)
-	pa := a.Pids()
+	b, err := sb.Spawn("compute", "--api", "launch", "--kernel-us", "100", "--depth", "64", "--seconds", "6",
+		"--idle-ms", strconv.Itoa(int(idle/time.Millisecond)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.WaitOutput("start", 15*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.WaitOutput("idle ms=", 15*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	pa, pb := map[int]bool{a.PID: true}, map[int]bool{b.PID: true}
+	time.Sleep(500 * time.Millisecond) // settle
 	s0, err := n.Sample()
 	if err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(2 * time.Second)
+	time.Sleep(2 * time.Second) // window
 	s1, err := n.Sample()
 	if err != nil {
 		t.Fatal(err)
@@ -189,16 +177,15 @@ func TestGuaranteedBurstShare(t *testing.T) {
 		t.Logf("70 idle: the 30 got %.2f%%", got)
 	}
 	// Watch for the 70's first launch as closely as we can.
-	if err := harness.WaitFor(10*time.Second, func() error {
-		if strings.Contains(b.Output(), "start") {
-			return nil
+	var resumed time.Time
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(b.Output(), "start") {
+		if time.Now().After(deadline) {
+			t.Fatalf("the 70 has not resumed: %q", b.Output())
 		}
-		return fmt.Errorf("the 70 has not resumed")
-	}); err != nil {
-		t.Fatal(err)
+		time.Sleep(time.Millisecond)
 	}
-	resumed := time.Now()
-	pb := b.Pids()
+	resumed = time.Now()
 	time.Sleep(time.Until(resumed.Add(50 * time.Millisecond)))
 	r0, err := n.Sample()
 	if err != nil {
