@@ -19,6 +19,23 @@ if ! have_lint; then
     go install "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$GOLANGCI_VERSION")
 fi
 
+# Packaging test dependencies: rpm (rpm -qlp) and systemd (systemd-analyze
+# verify). Installing systemd does not make it PID 1; it only brings the tools.
+missing=""
+for pkg in rpm systemd; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing="$missing $pkg"
+done
+if [ -n "$missing" ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    echo "deps: apt-get install$missing"
+    # shellcheck disable=SC2086 # the package list is split on purpose
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null ||
+      { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null; }
+  else
+    echo "deps: not root, skipping$missing (the tests that need them skip)"
+  fi
+fi
+
 # Container test dependencies (podman, runc, containerd 2.x).
 if [ -x test/e2e/deps.sh ]; then
   test/e2e/deps.sh

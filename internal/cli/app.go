@@ -60,6 +60,10 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	if err == nil {
 		return 0
 	}
+	var es exitStatus
+	if errors.As(err, &es) && es.silent {
+		return es.code
+	}
 	fmt.Fprintf(stderr, "mgpu: %v\n", err)
 	var ue usageError
 	var ce *config.Error

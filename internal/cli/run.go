@@ -57,10 +57,13 @@ func checkShim(p, from string) (string, error) {
 	return abs, nil
 }
 
-// exitStatus is the status of a command that did not exit 0.
+// exitStatus is the status of a command that did not exit 0. A plain
+// non-zero exit is passed on silently (the command said what it had to
+// say); a death by signal is reported.
 type exitStatus struct {
-	code int
-	msg  string
+	code   int
+	msg    string
+	silent bool
 }
 
 func (e exitStatus) Error() string { return e.msg }
@@ -189,7 +192,7 @@ func commandStatus(name string, err error) error {
 	case ok && ws.Signaled():
 		return exitStatus{code: 128 + int(ws.Signal()), msg: fmt.Sprintf("%s was killed by signal %d (%v)", name, int(ws.Signal()), ws.Signal())}
 	default:
-		return exitStatus{code: ee.ExitCode(), msg: fmt.Sprintf("%s exited with status %d", name, ee.ExitCode())}
+		return exitStatus{code: ee.ExitCode(), msg: fmt.Sprintf("%s exited with status %d", name, ee.ExitCode()), silent: true}
 	}
 }
 
