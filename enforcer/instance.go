@@ -387,8 +387,8 @@ func (e *Enforcer) params(in *instance) region.Params {
 		DeviceIndex: uint32(e.index), InstanceID: uint32(in.id), //nolint:gosec // small
 		Policy: uint32(in.policy), Core: uint32(in.core), //nolint:gosec // 1..100
 		MemoryLimit: in.memMiB << 20,
-		PeriodNs:    uint64(e.settings.Period()),      //nolint:gosec // positive
-		MaxQueuedNs: uint64(maxQueued), //nolint:gosec // positive
+		PeriodNs:    uint64(e.settings.Period()), //nolint:gosec // positive
+		MaxQueuedNs: uint64(maxQueued),           //nolint:gosec // positive
 	}
 }
 
@@ -472,9 +472,16 @@ const handoff = arbiter.HandoffImmediate
 // fell (docs/arbiter.md, "Production settings").
 const maxQueued = 2 * time.Millisecond
 
+// quantum is the longest hold before the arbiter re-decides under
+// fixed-share and guaranteed-burst-share (native-burst-share uses
+// compute_timeslice_native_burst). Every hand-off costs the previous
+// holder's queued tail; 20 ms keeps hand-offs to a few per period, and the
+// arbiter still reclaims a guaranteed share within 100 ms.
+const quantum = 20 * time.Millisecond
+
 func (e *Enforcer) newArbiter() *arbiter.Arbiter {
 	s := e.settings
-	c := arbiter.Config{Policy: s.ComputePolicy, Period: s.Period(), MaxQueued: maxQueued, Handoff: handoff}
+	c := arbiter.Config{Policy: s.ComputePolicy, Period: s.Period(), MaxQueued: maxQueued, Handoff: handoff, Quantum: quantum}
 	if s.ComputePolicy == policy.NativeBurstShare {
 		c.Quantum = s.NativeSlice()
 	}

@@ -230,10 +230,10 @@ func New(cfg Config) *Arbiter {
 		cfg.MaxQueued = DefaultMaxQueued
 	}
 	return &Arbiter{
-		pol:       cfg.Policy,
-		fixed:     cfg.Policy == policy.FixedShare || !cfg.Policy.Valid(),
-		period:    float64(cfg.Period),
-		quantum:   cfg.Quantum,
+		pol:     cfg.Policy,
+		fixed:   cfg.Policy == policy.FixedShare || !cfg.Policy.Valid(),
+		period:  float64(cfg.Period),
+		quantum: cfg.Quantum,
 		// A hold shorter than the previous holder's queued tail is pure
 		// loss (the tails interleave), so the hysteresis is never below
 		// twice the queue bound.

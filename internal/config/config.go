@@ -105,7 +105,7 @@ const (
 	MaxNativeTimesliceUS           = 1000000
 	MaxMaxInstances                = 128 // MGPU_REGION_MAX_PROCS bounds processes, not instances; keep tables small
 	DefaultTimesliceMS             = 100
-	DefaultNativeTimesliceUS       = 4096
+	DefaultNativeTimesliceUS       = 20000
 	DefaultMaxInstances            = 16
 	DefaultRunDir                  = "/run/mgpu"
 	DefaultStateDir                = "/var/lib/mgpu"

@@ -55,7 +55,7 @@ memory_mib = 1024
 	if d1.ComputePolicy != policy.NativeBurstShare || d1.Period() != 50*time.Millisecond || d1.MaxInstances != 4 {
 		t.Errorf("device 1: %+v", d1)
 	}
-	if d1.NativeSlice() != 4096*time.Microsecond {
+	if d1.NativeSlice() != 20000*time.Microsecond {
 		t.Errorf("native slice %v", d1.NativeSlice())
 	}
 	if c.Sim.GPUs[0].Name != defaultSimName || c.Sim.GPUs[0].MemoryMiB != defaultSimMemoryMiB {
