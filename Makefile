@@ -21,6 +21,8 @@ build: go c
 
 go:
 	$(GO) build -ldflags "$(GO_LDFLAGS)" -o $(BUILD)/bin/ ./cmd/...
+	$(GO) build -o $(BUILD)/bin/mgpu-demo ./test/demo
+	$(GO) build -o $(BUILD)/bin/mgpu-bench ./test/bench
 
 c:
 	@set -e; for d in $(C_DIRS); do $(MAKE) --no-print-directory -C $$d BUILD=$(BUILD); done
@@ -29,16 +31,26 @@ c:
 deps:
 	@scripts/deps.sh
 
+# Share measurements (test/process, test/e2e) run one package at a time after
+# the rest: two of them at once on a 2-core machine measure each other.
+SERIAL_PKGS := ./test/process ./test/e2e
+
 test: deps build
-	$(GO) test -race -timeout 30m ./...
+	$(GO) test -race -timeout 30m $$($(GO) list ./... | grep -v -e '/test/process$$' -e '/test/e2e$$')
+	$(GO) test -p 1 -count=1 -timeout 40m $(SERIAL_PKGS)
 
 lint: deps
 	$(GO) vet ./...
 	golangci-lint run ./...
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { echo "gofmt needed:"; gofmt -l $$(git ls-files '*.go'); exit 1; }
 
+# demo: the main job on the simulated node (policies side by side, live).
 demo: build
-	$(BUILD)/bin/mgpu-cli --config packaging/config/sim-node.toml device info -a
+	$(BUILD)/bin/mgpu-demo
+
+# bench: BENCH lines and a table, every comparison measured side by side.
+bench: build
+	$(BUILD)/bin/mgpu-bench $(BENCH_FLAGS)
 
 # e2e: the container tests (test/e2e; root, runc, containerd 2.x, podman:
 # test/e2e/deps.sh installs them; see docs/e2e.md).

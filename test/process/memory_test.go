@@ -87,7 +87,7 @@ func TestChurnNeverExceedsQuota(t *testing.T) {
 	}
 	var procs []harness.Proc
 	for i := 0; i < 8; i++ {
-		p, err := sh.Spawn("alloc-churn", "--api", allocAPIs[i%len(allocAPIs)], "--mib", "192", "--iterations", "3000", "--threads", "2")
+		p, err := sh.Spawn("alloc-churn", "--api", allocAPIs[i%len(allocAPIs)], "--mib", "192", "--iterations", "200000", "--threads", "2")
 		if err != nil {
 			t.Fatal(err)
 		}
