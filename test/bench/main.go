@@ -565,4 +565,3 @@ func cpuOver(pid int, d time.Duration) (float64, error) {
 	const hz = 100 // USER_HZ on Linux
 	return 100 * (t1 - t0) / hz / time.Since(start).Seconds(), nil
 }
-

@@ -20,13 +20,13 @@ import (
 // when the process could not read it): processes of different containers may
 // have the same PID, never the same PIDNS and PID.
 type Proc struct {
-	PID     int    `json:"pid"`
-	PIDNS   uint64 `json:"pidns"`
+	PID      int    `json:"pid"`
+	PIDNS    uint64 `json:"pidns"`
 	BusyNs   uint64 `json:"busy_ns"`   // time it held the device (kernels and the gaps of its slice)
 	KernelNs uint64 `json:"kernel_ns"` // time its kernels ran
 	Kernels  uint64 `json:"kernels"`
 	MemUsed  uint64 `json:"mem_used"`
-	Alive   bool   `json:"alive"`
+	Alive    bool   `json:"alive"`
 }
 
 // Device is one simulated GPU (host index).

@@ -328,6 +328,11 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
                 /* An idle start's first launch: from ref0 to ref it waited
                  * (perhaps behind another instance's tail) and ran.  It is
                  * charged that, but no more than one launch's estimate. */
+                /* The exactly timed launches first: they seed the estimate
+                 * of a new process better than its first launch, which may
+                 * have waited behind another instance's tail. */
+                if (dur > 0 && timed > 0)
+                    learn(ss, (uint64_t)dur / timed);
                 uint64_t first = 0;
                 int64_t k1;
                 if (m->idle && m->ref0 && elapsed_ns(m->ref0, m->ref, &k1) == 0 && k1 > 0) {
@@ -339,8 +344,6 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
                     if (!ss->avg_ns || (uint64_t)k1 < ss->avg_ns)
                         learn(ss, (uint64_t)k1);
                 }
-                if (dur > 0 && timed > 0)
-                    learn(ss, (uint64_t)dur / timed);
                 if (dur > 0 || first) {
                     uint64_t add = batch_time(ss, m->ref, m->end, (uint64_t)dur + first, first, &kept);
                     gpu += add;
