@@ -54,7 +54,7 @@ func (e *Enforcer) serveAttach(ctx context.Context) {
 // handleAttach serves one attach: read the request (with a deadline), learn
 // the peer from the kernel, answer with its instance's region or a refusal.
 func (e *Enforcer) handleAttach(conn *net.UnixConn) {
-	defer conn.Close()
+	defer func() { _ = conn.Close() }()
 	_ = conn.SetDeadline(time.Now().Add(e.o.attachTimeout))
 	var buf [attach.RequestSize]byte
 	if _, err := io.ReadFull(conn, buf[:]); err != nil {
@@ -69,7 +69,7 @@ func (e *Enforcer) handleAttach(conn *net.UnixConn) {
 		_ = e.reply(conn, attach.Response{Status: attach.Internal, Message: "mgpu: cannot identify the caller: " + err.Error()}, -1)
 		return
 	}
-	defer unix.Close(pidfd)
+	defer func() { _ = unix.Close(pidfd) }()
 	resp, fd, in, slot := e.attach(pid, pidfd)
 	if fd < 0 {
 		_ = e.reply(conn, resp, -1)

@@ -110,9 +110,6 @@ func (in *instance) closeFDs() {
 	}
 }
 
-// noun names what asks for an instance in refusals.
-func (in *instance) noun() string { return noun(in.kind) }
-
 func noun(k api.Kind) string {
 	if k == api.KindProcessTree {
 		return "process tree"

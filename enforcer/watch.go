@@ -137,10 +137,9 @@ func (e *Enforcer) sweep() bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	changed := false
-	if e.guard(func() { changed = e.sweepLocked() }) {
-		changed = true
-	}
-	return changed
+	// A region fault during the sweep repairs state, which is a change too.
+	faulted := e.guard(func() { changed = e.sweepLocked() })
+	return changed || faulted
 }
 
 func (e *Enforcer) sweepLocked() bool {

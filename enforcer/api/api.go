@@ -62,11 +62,11 @@ func ParseInstanceName(s string) (dev, id int, err error) {
 type Kind string
 
 const (
-	// KindContainer: processes in the container's pid namespace, or
-	// (same pid namespace as the enforcer) in its cgroup.
+	// KindContainer recognises processes in the container's pid namespace,
+	// or (same pid namespace as the enforcer) in its cgroup.
 	KindContainer Kind = "container"
-	// KindProcessTree: the registered root process and its descendants
-	// (mgpu-cli run).
+	// KindProcessTree recognises the registered root process and its
+	// descendants (mgpu-cli run).
 	KindProcessTree Kind = "process-tree"
 )
 

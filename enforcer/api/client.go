@@ -127,7 +127,7 @@ func (c *Client) do(ctx context.Context, method, p string, body, out any) error 
 		}
 		return fmt.Errorf("enforcer at %s: %w", c.socket, err)
 	}
-	defer resp.Body.Close()
+	defer func() { _ = resp.Body.Close() }()
 	data, err := io.ReadAll(io.LimitReader(resp.Body, maxResponseBytes))
 	if err != nil {
 		return fmt.Errorf("enforcer at %s: read answer: %w", c.socket, err)

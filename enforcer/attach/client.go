@@ -45,7 +45,7 @@ func DialRequest(path string, req []byte, timeout time.Duration) (*Result, error
 	if err != nil {
 		return nil, fmt.Errorf("attach: %w", err)
 	}
-	defer conn.Close()
+	defer func() { _ = conn.Close() }()
 	uc := conn.(*net.UnixConn)
 	if err := uc.SetDeadline(time.Now().Add(timeout)); err != nil {
 		return nil, fmt.Errorf("attach: %w", err)

@@ -103,10 +103,10 @@ func specOutput(c *cli.Context, cfg *config.Config) (output, format string, err 
 		return "", "", usagef("unknown --format %q (want yaml or json)", format)
 	}
 	output = c.String("output")
-	switch {
-	case output == "":
+	switch output {
+	case "":
 		return filepath.Join(cfg.CDISpecDir, cdi.SpecFileName(cfg.CDIKind, format)), format, nil
-	case output == "-":
+	case "-":
 		return output, format, nil
 	}
 	ext := strings.TrimPrefix(filepath.Ext(output), ".")
