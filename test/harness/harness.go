@@ -33,8 +33,11 @@ type NodeConfig struct {
 	Policies     map[int]policy.Policy // per device (default fixed-share)
 	TimesliceMS  int                   // compute_timeslice (0: the config default)
 	MaxInstances int                   // max_instances (0: the config default)
-	// Shim overrides the shim library (e.g. the ASan build).
+	// Shim overrides the shim library.
 	Shim string
+	// ASan uses the ASan/UBSan build of the shim (build/lib/asan), with
+	// libasan preloaded before it as the sanitizer requires.
+	ASan bool
 	// ExtraEnv is added to every workload's environment.
 	ExtraEnv []string
 	// Log receives the enforcers' logs (default: discarded).
@@ -52,6 +55,7 @@ type Node struct {
 	CLI        string // mgpu-cli
 	Enforcer   string // mgpu-enforcer
 	Shim       string // libmgpu-shim.so
+	libasan    string // preloaded before an ASan build of the shim
 
 	nc        NodeConfig
 	mu        sync.Mutex
@@ -81,6 +85,14 @@ func NewNode(nc NodeConfig) (*Node, error) {
 		Shim:      filepath.Join(build, "lib", "libmgpu-shim.so"),
 		nc:        nc,
 		enforcers: map[int]*exec.Cmd{},
+	}
+	if nc.ASan {
+		n.Shim = filepath.Join(build, "lib", "asan", "libmgpu-shim.so")
+		out, err := exec.Command("gcc", "-print-file-name=libasan.so").Output()
+		if err != nil {
+			return nil, fmt.Errorf("harness: find libasan.so: %w", err)
+		}
+		n.libasan = strings.TrimSpace(string(out))
 	}
 	if nc.Shim != "" {
 		n.Shim = nc.Shim

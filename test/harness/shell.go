@@ -76,8 +76,13 @@ func (n *Node) Shell(dev, core, memoryMiB int) (*Shell, error) {
 // preloaded on device dev (what `mgpu-cli run` sets up).
 func (n *Node) ShimEnv(dev int, extra ...string) []string {
 	d := strconv.Itoa(dev)
+	preload := n.Shim
+	if n.libasan != "" {
+		preload = n.libasan + ":" + n.Shim
+		extra = append(extra, "ASAN_OPTIONS=detect_leaks=0:abort_on_error=1", "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1")
+	}
 	return n.Env(append([]string{
-		"LD_PRELOAD=" + n.Shim,
+		"LD_PRELOAD=" + preload,
 		"MGPU_RUN_DIR=" + n.RunDir,
 		"MGPU_VISIBLE_DEVICES=" + d,
 		"CUDA_VISIBLE_DEVICES=" + d,

@@ -23,8 +23,10 @@ var allocAPIs = []string{
 // one instance; the allocation that would pass it fails with
 // CUDA_ERROR_OUT_OF_MEMORY whichever API makes it; cuMemGetInfo reports the
 // quota; a SIGKILLed process's memory is available again within 1 s.
-func TestQuotaSharedByTwoProcesses(t *testing.T) {
-	n := newNode(t, harness.NodeConfig{})
+func TestQuotaSharedByTwoProcesses(t *testing.T) { bothShims(t, testQuotaSharedByTwoProcesses) }
+
+func testQuotaSharedByTwoProcesses(t *testing.T, asan bool) {
+	n := newNode(t, harness.NodeConfig{ASan: asan})
 	sh, err := n.Shell(0, 10, 1024)
 	if err != nil {
 		t.Fatal(err)
@@ -78,8 +80,10 @@ func TestQuotaSharedByTwoProcesses(t *testing.T) {
 // TestChurnNeverExceedsQuota: 8 processes allocating and freeing
 // concurrently in one instance never exceed the quota, as the simulated
 // device's own counter shows, and end at zero.
-func TestChurnNeverExceedsQuota(t *testing.T) {
-	n := newNode(t, harness.NodeConfig{})
+func TestChurnNeverExceedsQuota(t *testing.T) { bothShims(t, testChurnNeverExceedsQuota) }
+
+func testChurnNeverExceedsQuota(t *testing.T, asan bool) {
+	n := newNode(t, harness.NodeConfig{ASan: asan})
 	const quotaMiB = 1024
 	sh, err := n.Shell(0, 10, quotaMiB)
 	if err != nil {
@@ -159,8 +163,10 @@ func TestChurnNeverExceedsQuota(t *testing.T) {
 // TestRuntimeResolvePathLimited: a workload that resolves the driver like
 // the CUDA runtime (dlopen + dlsym(handle, "cuGetProcAddress_v2")) is
 // limited like the others.
-func TestRuntimeResolvePathLimited(t *testing.T) {
-	n := newNode(t, harness.NodeConfig{})
+func TestRuntimeResolvePathLimited(t *testing.T) { bothShims(t, testRuntimeResolvePathLimited) }
+
+func testRuntimeResolvePathLimited(t *testing.T, asan bool) {
+	n := newNode(t, harness.NodeConfig{ASan: asan})
 	sh, err := n.Shell(0, 10, 1024)
 	if err != nil {
 		t.Fatal(err)
@@ -179,8 +185,10 @@ func TestRuntimeResolvePathLimited(t *testing.T) {
 
 // TestOutsideInstanceFailsClosed: a process in no instance cannot initialise
 // CUDA and is told why in one line; MGPU_FAIL_OPEN=1 lets it run.
-func TestOutsideInstanceFailsClosed(t *testing.T) {
-	n := newNode(t, harness.NodeConfig{})
+func TestOutsideInstanceFailsClosed(t *testing.T) { bothShims(t, testOutsideInstanceFailsClosed) }
+
+func testOutsideInstanceFailsClosed(t *testing.T, asan bool) {
+	n := newNode(t, harness.NodeConfig{ASan: asan})
 	cmd := exec.Command(n.Paths.Workload, "info")
 	cmd.Env = n.ShimEnv(0)
 	out, err := cmd.CombinedOutput()
@@ -211,8 +219,10 @@ func TestOutsideInstanceFailsClosed(t *testing.T) {
 
 // TestForkedChildLimited: a child forked by a CUDA process is attached on
 // its own and limited by the same instance.
-func TestForkedChildLimited(t *testing.T) {
-	n := newNode(t, harness.NodeConfig{})
+func TestForkedChildLimited(t *testing.T) { bothShims(t, testForkedChildLimited) }
+
+func testForkedChildLimited(t *testing.T, asan bool) {
+	n := newNode(t, harness.NodeConfig{ASan: asan})
 	sh, err := n.Shell(0, 10, 1024)
 	if err != nil {
 		t.Fatal(err)
@@ -225,6 +235,13 @@ func TestForkedChildLimited(t *testing.T) {
 	}
 	if strings.Contains(out, "mgpu:") {
 		t.Errorf("fork printed an mgpu error:\n%s", out)
+	}
+}
+
+// bothShims runs a test with the shim and with its ASan/UBSan build.
+func bothShims(t *testing.T, f func(t *testing.T, asan bool)) {
+	for _, asan := range []bool{false, true} {
+		t.Run(map[bool]string{false: "shim", true: "asan"}[asan], func(t *testing.T) { f(t, asan) })
 	}
 }
 
