@@ -248,11 +248,12 @@ type fcStat struct {
 		MemUsed uint64 `json:"mem_used"`
 		BusyNs  uint64 `json:"busy_ns"`
 		Procs   []struct {
-			Pid     int    `json:"pid"`
-			BusyNs  uint64 `json:"busy_ns"`
-			Kernels uint64 `json:"kernels"`
-			MemUsed uint64 `json:"mem_used"`
-			Alive   bool   `json:"alive"`
+			Pid      int    `json:"pid"`
+			BusyNs   uint64 `json:"busy_ns"`   // time it held the device
+			KernelNs uint64 `json:"kernel_ns"` // time its kernels ran
+			Kernels  uint64 `json:"kernels"`
+			MemUsed  uint64 `json:"mem_used"`
+			Alive    bool   `json:"alive"`
 		} `json:"procs"`
 	} `json:"devices"`
 }
@@ -285,6 +286,17 @@ func (s fcStat) busyOf(pid int) uint64 {
 	for _, p := range s.Devices[0].Procs {
 		if p.Pid == pid {
 			return p.BusyNs
+		}
+	}
+	return 0
+}
+
+// kernelOf is the time pid's kernels ran (busyOf adds the gaps between
+// consecutive kernels while it held the device).
+func (s fcStat) kernelOf(pid int) uint64 {
+	for _, p := range s.Devices[0].Procs {
+		if p.Pid == pid {
+			return p.KernelNs
 		}
 	}
 	return 0
