@@ -157,14 +157,14 @@ func TestQueueBound(t *testing.T) {
 	pid := c.Process.Pid
 	l0 := p.Launches.Load()
 	t1 := time.Now()
-	b0 := e.fcstat().busyOf(pid)
+	b0 := e.fcstat().kernelOf(pid) // kernel time: the work that ran, without the device's gaps
 	s.setGrant(0)
 	read := time.Since(t1)
 	eventually(t, "a launch to wait", func() bool { return p.Waiting.Load() > 0 })
 	eventually(t, "the queue to drain", func() bool { return p.QueuedNs.Load() == 0 })
 	var b1 uint64
 	eventually(t, "the device to go idle", func() bool {
-		b := e.fcstat().busyOf(pid)
+		b := e.fcstat().kernelOf(pid)
 		idle := b == b1
 		b1 = b
 		return idle
