@@ -925,6 +925,11 @@ static void *worker_main(void *p)
         case OP_FREE: free_linear((CUdeviceptr)op.arg); break;
         default: break;
         }
+        /* Nothing more queued: give the device back before anyone can learn
+         * that the work is done (a process that exits right after its last
+         * synchronisation must not die owning the device). */
+        if (h + 1 == atomic_load(&s->tail))
+            held_release(&hd);
         atomic_store(&s->head, h + 1);
         if (atomic_load(&s->dwaiters)) {
             atomic_fetch_add(&s->dseq, 1);
