@@ -3,7 +3,6 @@ package cdi
 import (
 	"bytes"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -12,6 +11,8 @@ import (
 	"gopkg.in/yaml.v3"
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
 	specs "tags.cncf.io/container-device-interface/specs-go"
+
+	"github.com/mgpu-dev/mgpu/internal/fsutil"
 )
 
 // Spec file formats.
@@ -92,48 +93,5 @@ func WriteFile(path string, spec *specs.Spec) error {
 	if err := Validate(data, format); err != nil {
 		return err
 	}
-	return writeFileAtomic(path, data, 0o644)
-}
-
-// writeFileAtomic writes data to a temporary file beside path and renames it
-// over path, so readers (engines scanning the spec directory) see the old or
-// the new file, never a partial one. The temporary name ends in neither
-// .json nor .yaml, so a CDI cache never loads it.
-func writeFileAtomic(path string, data []byte, mode os.FileMode) error {
-	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp*")
-	if err != nil {
-		var pe *os.PathError
-		if errors.As(err, &pe) {
-			err = pe.Err
-		}
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	tmp := f.Name()
-	defer func() { _ = os.Remove(tmp) }()
-	_, err = f.Write(data)
-	if err == nil {
-		err = f.Chmod(mode)
-	}
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		// The temporary file's name means nothing to the reader.
-		var pe *os.PathError
-		var le *os.LinkError
-		switch {
-		case errors.As(err, &pe):
-			err = pe.Err
-		case errors.As(err, &le):
-			err = le.Err
-		}
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	return nil
+	return fsutil.WriteFileAtomic(path, data, 0o644)
 }

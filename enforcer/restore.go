@@ -10,6 +10,7 @@ import (
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/enforcer/region"
 	"github.com/mgpu-dev/mgpu/internal/config"
+	"github.com/mgpu-dev/mgpu/internal/fsutil"
 )
 
 // restore loads the instance table and re-adopts every instance whose
@@ -175,8 +176,8 @@ func (e *Enforcer) save() error {
 	if seq <= e.savedAt {
 		return nil
 	}
-	if err := writeFileAtomic(e.statePth, data); err != nil {
-		return fmt.Errorf("write state %s: %w", e.statePth, err)
+	if err := fsutil.WriteFileAtomic(e.statePth, data, 0o600); err != nil {
+		return fmt.Errorf("save state: %w", err)
 	}
 	e.savedAt = seq
 	return nil

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/internal/fsutil"
 	"github.com/mgpu-dev/mgpu/internal/policy"
 )
 
@@ -83,7 +84,7 @@ func TestWriteFileAtomic(t *testing.T) {
 	dir := t.TempDir()
 	p := filepath.Join(dir, "f")
 	for _, v := range []string{"one", "two"} {
-		if err := writeFileAtomic(p, []byte(v)); err != nil {
+		if err := fsutil.WriteFileAtomic(p, []byte(v), 0o600); err != nil {
 			t.Fatal(err)
 		}
 		if b, _ := os.ReadFile(p); string(b) != v {

@@ -13,6 +13,8 @@ import (
 	"os"
 	"path/filepath"
 	"syscall"
+
+	"github.com/mgpu-dev/mgpu/internal/fsutil"
 )
 
 // Change is one file a configuration writes.
@@ -53,7 +55,7 @@ func (p Plan) Apply() error {
 		if err := os.MkdirAll(filepath.Dir(c.Path), 0o755); err != nil { //nolint:gosec // engine configuration directories
 			return fmt.Errorf("write %s: %w", c.Path, unwrapPath(err))
 		}
-		if err := writeFileAtomic(c.Path, c.New, c.Mode); err != nil {
+		if err := fsutil.WriteFileAtomic(c.Path, c.New, c.Mode); err != nil {
 			return err
 		}
 	}
@@ -79,32 +81,6 @@ func readFile(path string) ([]byte, fs.FileMode, error) {
 		data = []byte{}
 	}
 	return data, st.Mode().Perm(), nil
-}
-
-func writeFileAtomic(path string, data []byte, mode fs.FileMode) error {
-	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp*")
-	if err != nil {
-		return fmt.Errorf("write %s: %w", path, unwrapPath(err))
-	}
-	tmp := f.Name()
-	defer func() { _ = os.Remove(tmp) }()
-	_, err = f.Write(data)
-	if err == nil {
-		err = f.Chmod(mode)
-	}
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		return fmt.Errorf("write %s: %w", path, unwrapPath(err))
-	}
-	return nil
 }
 
 // unwrapPath drops the path of a *PathError or *LinkError: callers name

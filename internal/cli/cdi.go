@@ -15,6 +15,7 @@ import (
 	"github.com/mgpu-dev/mgpu/cdi"
 	"github.com/mgpu-dev/mgpu/internal/config"
 	"github.com/mgpu-dev/mgpu/internal/device"
+	"github.com/mgpu-dev/mgpu/internal/fsutil"
 )
 
 func cdiGenerate(c *cli.Context) error {
@@ -135,7 +136,7 @@ func ensurePreload(cfg *config.Config, stderr io.Writer) error {
 		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil { //nolint:gosec // library directory
 			return fmt.Errorf("write %s: %w", p, err)
 		}
-		return writeFileAtomic(p, want, 0o644)
+		return fsutil.WriteFileAtomic(p, want, 0o644)
 	default:
 		return fmt.Errorf("read %s: %w", p, err)
 	}

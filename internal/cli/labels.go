@@ -3,11 +3,11 @@ package cli
 import (
 	"fmt"
 	"io"
-	"os"
-	"path/filepath"
 	"strings"
 
 	"github.com/urfave/cli/v2"
+
+	"github.com/mgpu-dev/mgpu/internal/fsutil"
 )
 
 // Label keys (the second seed's card-model labels, and the first seed's
@@ -58,38 +58,7 @@ func nodeLabels(c *cli.Context) error {
 		_, err := io.WriteString(c.App.Writer, b.String())
 		return err
 	}
-	return writeFileAtomic(out, []byte(b.String()), 0o644)
-}
-
-// writeFileAtomic writes data to path through a temporary file in the same
-// directory, fsync and rename, so readers never see a partial file.
-func writeFileAtomic(path string, data []byte, mode os.FileMode) error {
-	dir := filepath.Dir(path)
-	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp*")
-	if err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	tmp := f.Name()
-	defer func() { _ = os.Remove(tmp) }()
-	if _, err := f.Write(data); err != nil {
-		_ = f.Close()
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	if err := f.Chmod(mode); err != nil {
-		_ = f.Close()
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	if err := f.Sync(); err != nil {
-		_ = f.Close()
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	if err := f.Close(); err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	return nil
+	return fsutil.WriteFileAtomic(out, []byte(b.String()), 0o644)
 }
 
 func init() {

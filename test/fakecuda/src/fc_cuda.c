@@ -918,10 +918,7 @@ static void *worker_main(void *p)
         struct fc_op op = s->ring[h & (FC_RING - 1)];
         switch (op.kind) {
         case OP_KERNEL: run_kernel(s->ctx, op.arg, &hd); break;
-        case OP_EVENT:
-            event_complete(op.ptr, op.arg);
-            event_unref(op.ptr);
-            break;
+        case OP_EVENT: break; /* completed below, once the stream has moved past it */
         case OP_FREE: free_linear((CUdeviceptr)op.arg); break;
         default: break;
         }
@@ -931,6 +928,12 @@ static void *worker_main(void *p)
         if (h + 1 == atomic_load(&s->tail))
             held_release(&hd);
         atomic_store(&s->head, h + 1);
+        if (op.kind == OP_EVENT) {
+            /* after the head moved: whoever an event wakes sees the stream
+             * done up to it (cuStreamQuery after cuEventSynchronize) */
+            event_complete(op.ptr, op.arg);
+            event_unref(op.ptr);
+        }
         if (atomic_load(&s->dwaiters)) {
             atomic_fetch_add(&s->dseq, 1);
             futex_private(&s->dseq, FUTEX_WAKE, INT_MAX);
