@@ -6,6 +6,7 @@
 package main
 
 import (
+	"context"
 	"flag"
 	"fmt"
 	"io"
@@ -18,6 +19,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/enforcer/arbiter"
 	"github.com/mgpu-dev/mgpu/internal/policy"
 	"github.com/mgpu-dev/mgpu/test/harness"
@@ -171,49 +173,47 @@ func (b *bench) sideBySide(f func(shim bool) (float64, error)) (float64, float64
 	return median(off), median(on), nil
 }
 
-// shimNode is a node with one enforcer and one instance shell holding the
-// whole device, in which the shim side of a measurement runs.
-func shimNode() (*harness.Node, *harness.Shell, error) {
+// shimNode is a node with one enforcer and one instance that holds the
+// whole device, rooted at this process (a process-tree instance, as
+// `mgpu-cli run` makes): the shim side of a measurement is then a direct
+// exec exactly like the side without the shim.
+func shimNode() (*harness.Node, error) {
 	n, err := harness.NewNode(harness.NodeConfig{})
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	if err := n.StartEnforcer(0); err != nil {
 		_ = n.Close()
-		return nil, nil, err
+		return nil, err
 	}
-	sh, err := n.Shell(0, 100, 65536)
-	if err != nil {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := n.Client(0).Create(ctx, api.CreateRequest{Kind: api.KindProcessTree, ContainerID: "mgpu-bench",
+		PID: os.Getpid(), Core: 100, MemoryMiB: 65536}); err != nil {
 		_ = n.Close()
-		return nil, nil, err
+		return nil, err
 	}
-	return n, sh, nil
+	return n, nil
 }
 
-// runIn runs the workload inside the shell's instance (shim) or outside it
-// without the shim, and returns its output.
-func runIn(n *harness.Node, sh *harness.Shell, shim bool, args ...string) (string, error) {
-	if !shim {
-		return workloadRun(n, n.Env(), args...)
+// runIn runs the workload with the shim preloaded (in the bench's instance)
+// or without it, the same way, and returns its output.
+func runIn(n *harness.Node, shim bool, args ...string) (string, error) {
+	env := n.Env()
+	if shim {
+		env = n.ShimEnv(0)
 	}
-	p, err := sh.Spawn(args...)
-	if err != nil {
-		return "", err
-	}
-	if err := p.WaitExit(2 * time.Minute); err != nil {
-		return "", err
-	}
-	return p.Output(), nil
+	return workloadRun(n, env, args...)
 }
 
 func (b *bench) launchOverhead() error {
-	n, sh, err := shimNode()
+	n, err := shimNode()
 	if err != nil {
 		return err
 	}
 	defer func() { _ = n.Close() }()
 	off, on, err := b.sideBySide(func(shim bool) (float64, error) {
-		out, err := runIn(n, sh, shim, "bench-launch", "--n", "200000")
+		out, err := runIn(n, shim, "bench-launch", "--n", "200000")
 		if err != nil {
 			return 0, err
 		}
@@ -229,7 +229,7 @@ func (b *bench) launchOverhead() error {
 }
 
 func (b *bench) allocOverhead() error {
-	n, sh, err := shimNode()
+	n, err := shimNode()
 	if err != nil {
 		return err
 	}
@@ -243,7 +243,7 @@ func (b *bench) allocOverhead() error {
 				wg.Add(1)
 				go func(i int) {
 					defer wg.Done()
-					outs[i], errs[i] = runIn(n, sh, shim, "bench-alloc", "--n", "100000", "--bytes", "1048576")
+					outs[i], errs[i] = runIn(n, shim, "bench-alloc", "--n", "100000", "--bytes", "1048576")
 				}(i)
 			}
 			wg.Wait()
@@ -274,7 +274,7 @@ func (b *bench) allocOverhead() error {
 // that never calls CUDA (/bin/true), and a CUDA process (mgpu-workload info:
 // initialisation, attach, a query), alone and 64 at once.
 func (b *bench) processStart() error {
-	n, sh, err := shimNode()
+	n, err := shimNode()
 	if err != nil {
 		return err
 	}
@@ -319,13 +319,11 @@ func (b *bench) processStart() error {
 				wg.Add(1)
 				go func(i int) {
 					defer wg.Done()
-					if !shim {
-						times[i], errs[i] = timeOne(n.Env(), n.Paths.Workload, "info")
-						return
+					env := n.Env()
+					if shim {
+						env = n.ShimEnv(0)
 					}
-					t0 := time.Now()
-					_, errs[i] = runIn(n, sh, true, "info")
-					times[i] = float64(time.Since(t0).Nanoseconds())
+					times[i], errs[i] = timeOne(env, n.Paths.Workload, "info")
 				}(i)
 			}
 			wg.Wait()
