@@ -250,13 +250,14 @@ func TestGuaranteedBurst(t *testing.T) {
 	// Work conservation: the 30 saturates, the 70 gets 8 ms of work every
 	// 20 ms (it uses 40% of the device).
 	for _, k := range []time.Duration{50 * us, 5 * ms} {
-		busyLo, thirtyLo := 98.0, 58.0
-		if k == 5*ms {
-			// Whenever the 70 runs dry the device idles until its last
-			// completion is reported and the next tick sees it (~1-2 ms
-			// every 20 ms); see docs/arbiter.md.
-			busyLo, thirtyLo = 93, 53
-		}
+		// Whenever the 70 runs dry the device idles until its last
+		// completion is reported and the next tick sees it (~1-2 ms every
+		// 20 ms): a holder is dry only once its reported queue is empty or
+		// the queue bound has passed since its last launch, because a
+		// holder pacing on its own queue launches rarely but is busy
+		// (calling it dry skewed the burst policies by 10 points on the
+		// simulated GPU); see docs/arbiter.md.
+		busyLo, thirtyLo := 93.0, 53.0
 		cases = append(cases, scenario{
 			name: fmt.Sprintf("conserving/k=%v", k),
 			cfg:  Config{Policy: policy.GuaranteedBurstShare},

@@ -531,8 +531,14 @@ func (a *Arbiter) dry(in *instance, launched uint64, now time.Duration) bool {
 	if in.queued == 0 && now > a.holdStart {
 		return true
 	}
+	// A holder that waits on its own queue (the shim's bound, the
+	// application's events) launches at least once per kernel while it is
+	// busy; calling it dry between two launches hands its grant and its
+	// banked credit to the others. It is dry once it has launched nothing
+	// for longer than its queued work can take (the queue is bounded): its
+	// reported queue may lag, an idle application does not update it.
 	last := max(in.launchAt, a.holdStart+a.holdGrace)
-	return float64(now-last) > 1.25*a.kernel(in)+a.tickEst/4
+	return float64(now-last) > 1.25*max(a.kernel(in), a.maxQueued)+a.tickEst
 }
 
 // tail estimates how much of instance i's queued work is still to run at

@@ -782,12 +782,6 @@ func TestShares(t *testing.T) {
 			}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if tc.policy == "native-burst-share" && !tol.Strict() {
-				// Known gap (issue 6): native-burst-share favours the smaller
-				// weight (1:3 measured from 26.1/72.5 to 33.6/65.1 here);
-				// test/process guards it at the process level.
-				t.Skip("known gap, run with MGPU_STRICT_SHARES=1: native-burst-share favours the smaller weight")
-			}
 			e := setup(t, NodeOptions{Policies: map[int]string{0: tc.policy}}, tc.engines)
 			for _, eng := range e.engines {
 				t.Run(eng.Name(), func(t *testing.T) {

@@ -14,8 +14,11 @@ import "os"
 // Normative is ε, in percentage points.
 const Normative = 2.0
 
-// Regression is the tolerance of the default (CI) run, in points.
-const Regression = 4.0
+// Regression is the tolerance of the default (CI) run, in points: wide
+// enough for the known short-kernel measurement gap (fixed-share 30/70 with
+// 100 µs kernels measures about 27/73), narrow enough to catch a broken
+// policy.
+const Regression = 5.0
 
 // Strict reports whether MGPU_STRICT_SHARES=1 asks for the normative
 // tolerance.
