@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"math"
@@ -16,6 +15,7 @@ import (
 	"time"
 
 	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/test/harness"
 	tol "github.com/mgpu-dev/mgpu/test/shares"
 )
 
@@ -77,7 +77,7 @@ func requirements(t *testing.T, engines int) (cdBin, podman string) {
 func setup(t *testing.T, opts NodeOptions, engines int) *env {
 	t.Helper()
 	cdBin, podman := requirements(t, engines)
-	logs := &syncBuffer{}
+	logs := &harness.SyncBuffer{} // the enforcers' logs; a failed test prints them
 	if opts.Log == nil {
 		opts.Log = logs
 	}
@@ -145,24 +145,6 @@ func setup(t *testing.T, opts NodeOptions, engines int) *env {
 		e.engines = append(e.engines, e.podman)
 	}
 	return e
-}
-
-// syncBuffer collects the enforcers' logs; a failed test prints them.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 var idSeq int
@@ -406,7 +388,7 @@ func TestInstanceReleased(t *testing.T) {
 			if pid, err = eng.InitPID(ctx, c.ID); err != nil {
 				t.Fatal(err)
 			}
-			shim, ok := parentOf(pid)
+			shim, ok := harness.ParentOf(pid)
 			if !ok || !strings.Contains(cmdline(shim), "containerd-shim-runc-v2") {
 				t.Fatalf("the parent of the container's init %d is %d (%q), not the shim", pid, shim, cmdline(shim))
 			}
@@ -418,23 +400,6 @@ func TestInstanceReleased(t *testing.T) {
 			t.Logf("kill -9 of the shim: released after %v", time.Since(start))
 		})
 	}
-}
-
-func parentOf(pid int) (int, bool) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, false
-	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return 0, false
-	}
-	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 2 {
-		return 0, false
-	}
-	pp, err := strconv.Atoi(f[1])
-	return pp, err == nil
 }
 
 func cmdline(pid int) string {

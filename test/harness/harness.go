@@ -231,7 +231,7 @@ type RunSpec struct {
 type Job struct {
 	Spec RunSpec
 	Cmd  *exec.Cmd
-	out  syncBuffer
+	out  SyncBuffer
 	done chan struct{}
 	err  error
 
@@ -387,7 +387,7 @@ func Descendants(pid int) []int {
 		if err != nil {
 			continue
 		}
-		if pp, ok := parentOf(p); ok {
+		if pp, ok := ParentOf(p); ok {
 			children[pp] = append(children[pp], p)
 		}
 	}
@@ -398,7 +398,8 @@ func Descendants(pid int) []int {
 	return out
 }
 
-func parentOf(pid int) (int, bool) {
+// ParentOf returns the parent pid of pid from /proc/<pid>/stat.
+func ParentOf(pid int) (int, bool) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
 		return 0, false
@@ -433,18 +434,22 @@ func poll(timeout time.Duration, cond func() error) error {
 	}
 }
 
-type syncBuffer struct {
+// SyncBuffer is a bytes.Buffer safe for concurrent writers and readers
+// (a process's stdout and stderr, a test reading them).
+type SyncBuffer struct {
 	mu sync.Mutex
 	b  bytes.Buffer
 }
 
-func (s *syncBuffer) Write(p []byte) (int, error) {
+// Write implements io.Writer.
+func (s *SyncBuffer) Write(p []byte) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.Write(p)
 }
 
-func (s *syncBuffer) String() string {
+// String returns what was written so far.
+func (s *SyncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
