@@ -59,6 +59,7 @@ struct mark {
     CUevent ref0;       /* idle start: recorded before the first launch (NULL: none) */
     uint64_t first_est; /* idle start: the estimate of one launch when the batch began */
     int idle;           /* the batch began on an idle stream: ref follows its first launch */
+    int contig;         /* ref was recorded while the previous mark was pending: no idle gap between them */
     uint64_t at;     /* stream launch count at the mark */
     uint64_t est_at; /* est_total at the mark */
 };
@@ -82,6 +83,8 @@ struct sstate {
     int batch_idle;     /* the open batch began on an idle stream */
     CUevent batch_ref0; /* its event before the first launch */
     uint64_t batch_first; /* first_est of the open batch */
+    int batch_contig;     /* the open batch follows the previous one without a gap */
+    uint64_t last_end;    /* timeline end of the newest completed batch (0: none) */
     struct mark ring[MGPU_RING];
     unsigned head, count;
     CUevent pool[MGPU_POOL];
@@ -173,8 +176,12 @@ static int elapsed_ns(CUevent a, CUevent b, int64_t *out)
 }
 
 /* GPU time of a completed batch [ref, end] not yet counted for the process.
+ * A contiguous batch (m->contig) also covers the gap since the stream's
+ * previous batch ended, up to one launch's time: the stream was busy through
+ * it (the device moving from one mark to the next).  Sets ss->last_end.
  * May keep ref or end as the device's anchor (*kept says which). */
-static uint64_t batch_time(struct sstate *ss, CUevent ref, CUevent end, uint64_t dur, uint64_t first, int *kept)
+static uint64_t batch_time(struct sstate *ss, CUevent ref, CUevent end, uint64_t dur, uint64_t first, int contig,
+                           int *kept)
 {
     struct gclock *c = &g_clock[ss->dev->ordinal];
     *kept = 0;
@@ -184,12 +191,18 @@ static uint64_t batch_time(struct sstate *ss, CUevent ref, CUevent end, uint64_t
         *kept = 1;
     }
     int64_t a;
-    if (elapsed_ns(c->anchor, ref, &a) || (int64_t)c->anchor_ns + a < 0)
+    if (elapsed_ns(c->anchor, ref, &a) || (int64_t)c->anchor_ns + a < 0) {
+        ss->last_end = 0;
         return dur; /* not on this timeline (another context): count it whole */
+    }
     uint64_t s = (uint64_t)((int64_t)c->anchor_ns + a);
     /* an idle start's first kernel ran (about) just before ref */
     s = s > first ? s - first : 0;
-    uint64_t add = busy_add(c, s, s + dur);
+    uint64_t from = s;
+    if (contig && ss->last_end && ss->last_end <= s && s - ss->last_end <= ss->avg_ns)
+        from = ss->last_end;
+    ss->last_end = s + dur;
+    uint64_t add = busy_add(c, from, s + dur);
     if (s - c->anchor_ns > MGPU_REANCHOR_NS && *kept == 0) {
         /* keep timeline offsets small so float milliseconds stay precise */
         REAL(cuEventDestroy_v2)(c->anchor);
@@ -262,6 +275,8 @@ static void ss_reset(struct sstate *ss)
     ss->batch_idle = 0;
     ss->batch_ref0 = NULL;
     ss->batch_first = 0;
+    ss->batch_contig = 0;
+    ss->last_end = 0;
     ss->head = ss->count = ss->npool = ss->nevents = 0;
     ss->avg_ns = 0;
     ss->per_mark = 1;
@@ -320,6 +335,8 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
         if (r == CUDA_ERROR_NOT_READY)
             break;
         int kept = 0;
+        uint64_t ends = ss->last_end;
+        ss->last_end = 0; /* unless batch_time places this batch */
         if (r == CUDA_SUCCESS && m->ref) {
             int64_t dur;
             if (elapsed_ns(m->ref, m->end, &dur) == 0 && dur >= 0) {
@@ -345,7 +362,8 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
                         learn(ss, (uint64_t)k1);
                 }
                 if (dur > 0 || first) {
-                    uint64_t add = batch_time(ss, m->ref, m->end, (uint64_t)dur + first, first, &kept);
+                    ss->last_end = ends;
+                    uint64_t add = batch_time(ss, m->ref, m->end, (uint64_t)dur + first, first, m->contig, &kept);
                     gpu += add;
 #ifdef MGPU_TRACE
                     struct timespec tts;
@@ -413,12 +431,13 @@ static int record_mark(struct sstate *ss, uint64_t at, uint64_t pending)
     unsigned i = (ss->head + ss->count) % MGPU_RING;
     ss->ring[i] = (struct mark){
         .ref = ss->batch_ref, .end = e, .at = at, .est_at = ss->est_total, .first_est = ss->batch_first,
-        .idle = ss->batch_idle, .ref0 = ss->batch_ref0};
+        .idle = ss->batch_idle, .ref0 = ss->batch_ref0, .contig = ss->batch_contig};
     ss->count++;
     ss->batch_ref = NULL;
     ss->batch_ref0 = NULL;
     ss->batch_first = 0;
     ss->batch_idle = 0;
+    ss->batch_contig = 0;
     ss->marked = at;
     return 0;
 }
@@ -502,10 +521,12 @@ static void pre_launch(struct sstate *ss, uint64_t n)
                 ev_put(ss, e0);
         } else {
             CUevent e = ev_get(ss);
-            if (e && REAL(cuEventRecord)(e, stream_handle(ss)) == CUDA_SUCCESS)
+            if (e && REAL(cuEventRecord)(e, stream_handle(ss)) == CUDA_SUCCESS) {
                 ss->batch_ref = e;
-            else
+                ss->batch_contig = 1; /* the newest mark was pending at the last poll */
+            } else {
                 ev_put(ss, e);
+            }
         }
     }
     set_check(ss, n);
