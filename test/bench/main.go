@@ -473,15 +473,16 @@ func reclaimOnce() (float64, error) {
 	if err := waitStarted([]*harness.Job{a}); err != nil {
 		return 0, err
 	}
+	var resumed time.Time // its first launch, stamped by the workload
 	if err := harness.WaitFor(20*time.Second, func() error {
-		if strings.Contains(bj.Output(), "start") {
+		var ok bool
+		if resumed, ok = harness.StartedAt(bj.Output()); ok {
 			return nil
 		}
 		return fmt.Errorf("the 70 has not resumed")
 	}); err != nil {
 		return 0, err
 	}
-	resumed := time.Now()
 	pids := bj.Pids()
 	var hist []harness.Sample
 	for time.Since(resumed) < 2*time.Second {

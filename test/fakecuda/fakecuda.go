@@ -45,6 +45,9 @@ type Device struct {
 // State is the output of `fakecuda-ctl stat`.
 type State struct {
 	Devices []Device `json:"devices"`
+	// AtNs is CLOCK_MONOTONIC (ns) when the state was read: a window
+	// between two states is exact, whatever starting fakecuda-ctl took.
+	AtNs uint64 `json:"at_ns"`
 }
 
 // Device returns the device of host index i.

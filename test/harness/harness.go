@@ -24,6 +24,7 @@ import (
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/internal/policy"
 	"github.com/mgpu-dev/mgpu/test/fakecuda"
+	"golang.org/x/sys/unix"
 )
 
 // NodeConfig describes the simulated node.
@@ -344,13 +345,54 @@ type Sample struct {
 	State fakecuda.State
 }
 
-// Sample reads the simulated devices' busy-time records.
+// Sample reads the simulated devices' busy-time records. At is when
+// fakecuda-ctl read them (its CLOCK_MONOTONIC stamp, placed on Go's clock),
+// not when the process that read them started or ended: starting a process
+// takes milliseconds on a loaded machine, and a 50 ms window must not be
+// off by that much.
 func (n *Node) Sample() (Sample, error) {
 	t0 := time.Now()
 	s, err := fakecuda.StatWith(n.Paths.Ctl, n.FakeState)
 	t1 := time.Now()
-	// The state was read somewhere between t0 and t1 (a process start).
-	return Sample{At: t0.Add(t1.Sub(t0) / 2), State: s}, err
+	at := t0.Add(t1.Sub(t0) / 2) // somewhere between t0 and t1, without a stamp
+	if t, ok := MonoTime(s.AtNs); err == nil && ok {
+		at = t
+	}
+	return Sample{At: at, State: s}, err
+}
+
+// MonoTime places a CLOCK_MONOTONIC stamp (ns, as the simulated GPU and the
+// workload print them) on Go's clock; false for 0 or a stamp from the future.
+func MonoTime(ns uint64) (time.Time, bool) {
+	var ts unix.Timespec
+	if ns == 0 || unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts) != nil {
+		return time.Time{}, false
+	}
+	now := time.Now()
+	ago := time.Duration(ts.Nano() - int64(ns)) //nolint:gosec // a CLOCK_MONOTONIC stamp fits int64
+	if ago < 0 {
+		return time.Time{}, false
+	}
+	return now.Add(-ago), true
+}
+
+// StartedAt is when the workload whose output this is printed
+// "start mono_ns=N", just before its first launch.
+func StartedAt(output string) (time.Time, bool) {
+	_, rest, ok := strings.Cut(output, "start mono_ns=")
+	if !ok {
+		return time.Time{}, false
+	}
+	if i := strings.IndexByte(rest, '\n'); i >= 0 {
+		rest = rest[:i]
+	} else {
+		return time.Time{}, false // the line is not complete yet
+	}
+	ns, err := strconv.ParseUint(rest, 10, 64)
+	if err != nil {
+		return time.Time{}, false
+	}
+	return MonoTime(ns)
 }
 
 // Busy returns the GPU time the processes pids used on device dev between

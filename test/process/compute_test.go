@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"math"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -152,7 +151,7 @@ func TestNativeBurstShare(t *testing.T) {
 
 // TestGuaranteedBurstShare: 30/70 with the 70 idle → the 30 gets >= 95 % of
 // the device; when the 70 resumes it gets >= 68 % measured over
-// [resume+50 ms, resume+100 ms], and keeps it.
+// some 50 ms window ending by 100 ms after its first launch, and keeps it.
 func TestGuaranteedBurstShare(t *testing.T) {
 	n := newNode(t, harness.NodeConfig{Policies: map[int]policy.Policy{0: policy.GuaranteedBurstShare}})
 	const idle = 4 * time.Second
@@ -195,30 +194,34 @@ func TestGuaranteedBurstShare(t *testing.T) {
 	} else {
 		t.Logf("70 idle: the 30 got %.2f%%", got)
 	}
-	// Watch for the 70's first launch as closely as we can.
+	// The 70's first launch, to the nanosecond (the workload stamps it).
 	var resumed time.Time
-	deadline := time.Now().Add(10 * time.Second)
-	for !strings.Contains(b.Output(), "start") {
-		if time.Now().After(deadline) {
-			t.Fatalf("the 70 has not resumed: %q", b.Output())
+	if err := harness.WaitFor(10*time.Second, func() error {
+		var ok bool
+		if resumed, ok = harness.StartedAt(b.Output()); !ok {
+			return fmt.Errorf("the 70 has not resumed: %q", b.Output())
 		}
-		time.Sleep(time.Millisecond)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
-	resumed = time.Now()
-	// "Reaches >= 68 % within 100 ms": the best 50 ms window that ends by
-	// 100 ms after the resume (windows end at 50, 75 and 100 ms).
-	var rs []harness.Sample
-	for _, at := range []time.Duration{0, 25, 50, 75, 100} {
-		time.Sleep(time.Until(resumed.Add(at * time.Millisecond)))
-		s, err := n.Sample()
-		if err != nil {
-			t.Fatal(err)
-		}
-		rs = append(rs, s)
+	// "Reaches >= 68 % within 100 ms": its share over some 50 ms window
+	// that ends by 100 ms after its first launch. A 50 ms window holds only
+	// about two and a half hand-off cycles of a 30/70 pair (docs/arbiter.md),
+	// so one fixed window reads anywhere from 66 to 77 % of a 70 % share;
+	// the device is therefore sampled every 5 ms and every such window is
+	// read (the samples carry the simulated device's own clock).
+	rs, err := sampleUntil(n, resumed.Add(100*time.Millisecond), 5*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
 	}
 	best, bestAt := 0.0, time.Duration(0)
-	for i := 2; i < len(rs); i++ {
-		if v := harness.Share(rs[i-2], rs[i], 0, pb); v > best {
+	for i := range rs {
+		j := lastBefore(rs[:i], rs[i].At.Add(-50*time.Millisecond))
+		if j < 0 || rs[i].At.After(resumed.Add(100*time.Millisecond)) {
+			continue
+		}
+		if v := harness.Share(rs[j], rs[i], 0, pb); v > best {
 			best, bestAt = v, rs[i].At.Sub(resumed).Round(time.Millisecond)
 		}
 	}
@@ -240,4 +243,31 @@ func TestGuaranteedBurstShare(t *testing.T) {
 	if got := harness.Share(r1, r2, 0, pa); got < 30-epsilon {
 		t.Errorf("the 30 got %.2f%% while both were busy, want >= %.0f", got, 30-epsilon)
 	}
+}
+
+// sampleUntil samples the simulated device every step until a sample is
+// past until.
+func sampleUntil(n *harness.Node, until time.Time, step time.Duration) ([]harness.Sample, error) {
+	var rs []harness.Sample
+	for next := time.Now(); ; next = next.Add(step) {
+		time.Sleep(time.Until(next)) // pacing of the samples, not synchronisation
+		s, err := n.Sample()
+		if err != nil {
+			return nil, err
+		}
+		rs = append(rs, s)
+		if s.At.After(until) {
+			return rs, nil
+		}
+	}
+}
+
+// lastBefore is the index of the last sample at or before t (-1: none).
+func lastBefore(rs []harness.Sample, t time.Time) int {
+	for j := len(rs) - 1; j >= 0; j-- {
+		if !rs[j].At.After(t) {
+			return j
+		}
+	}
+	return -1
 }

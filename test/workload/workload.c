@@ -643,7 +643,7 @@ static int cmd_compute(void)
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
             ;
     }
-    printf("start\n"); /* the first launch follows */
+    printf("start mono_ns=%" PRIu64 "\n", now_ns()); /* the first launch follows */
     fflush(stdout);
     pthread_t th[256];
     uint64_t t0 = now_ns();

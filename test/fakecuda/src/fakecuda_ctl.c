@@ -65,6 +65,7 @@ static int stat_cmd(void)
         return 1;
     }
     static struct fc_dev snap;
+    uint64_t at = 0; /* CLOCK_MONOTONIC when the first device was read */
     printf("{\"devices\":[");
     for (int k = 0; k < n; k++) {
         struct fc_dev *d = fc_dev_open(idx[k], 0);
@@ -75,6 +76,8 @@ static int stat_cmd(void)
         fc_dev_lock(d);
         fc_reap_locked(d);
         memcpy(&snap, d, sizeof(snap)); /* the mutexes in the copy are unused */
+        if (!at)
+            at = fc_now_ns();
         fc_dev_unlock(d);
         fc_dev_close(d);
         char uuid[64];
@@ -97,7 +100,7 @@ static int stat_cmd(void)
         }
         printf("]}");
     }
-    printf("]}\n");
+    printf("],\"at_ns\":%llu}\n", (unsigned long long)(at ? at : fc_now_ns()));
     return fflush(stdout) ? 1 : 0;
 }
 
