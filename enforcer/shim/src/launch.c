@@ -69,6 +69,8 @@ struct sstate {
     _Atomic uint64_t submitted; /* launches submitted on this stream */
     _Atomic uint64_t check_at;  /* the fast path takes the slow path when submitted reaches this */
     _Atomic int capturing;      /* stream capture: launches only build a graph */
+    _Atomic int shared;         /* launched on by more than one thread: launches go one at a time */
+    pthread_mutex_t launch_mu;  /* held around a shared stream's launch (numbering = stream order) */
     /* identity */
     struct mgpu_dev *dev;
     uintptr_t key;
@@ -472,7 +474,8 @@ static int may_launch(const struct sstate *ss, uint64_t n)
 
 static void set_check(struct sstate *ss, uint64_t n)
 {
-    uint64_t next = ss->marked == n ? n + 1 : ss->marked + ss->per_mark;
+    /* no open batch: the next launch starts one */
+    uint64_t next = ss->marked == n || (!ss->batch_ref && !ss->ref_after) ? n + 1 : ss->marked + ss->per_mark;
     if (ss->dev->max_queued_ns) {
         uint64_t b;
         if (!ss->cur_est)
@@ -511,7 +514,9 @@ static void pre_launch(struct sstate *ss, uint64_t n)
             break;
         poll_ss(ss, 1);
     }
-    if (ss->marked == n - 1 && !ss->batch_ref && !ss->ref_after) {
+    /* Start a batch.  Launches after the newest mark that no batch covers
+     * (another thread's flush marked past an open batch) join this one. */
+    if (ss->marked < n && !ss->batch_ref && !ss->ref_after) {
         if (ss->count == 0) {
             ss->ref_after = 1; /* idle: start the batch after this launch */
             CUevent e0 = ev_get(ss);
@@ -594,8 +599,10 @@ static void poll_all(void)
 void mgpu_launch_reset_after_fork(void)
 {
     /* Called with mgpu_acct_mu fresh (fork child) or when re-attaching. */
-    for (struct sstate *ss = g_streams; ss; ss = ss->next)
+    for (struct sstate *ss = g_streams; ss; ss = ss->next) {
         atomic_store(&ss->check_at, 0); /* the next launch takes the slow path and resets it */
+        pthread_mutex_init(&ss->launch_mu, NULL); /* a parent's thread may have held it */
+    }
     memset(g_dev_queued, 0, sizeof g_dev_queued);
     memset(g_clock, 0, sizeof g_clock); /* the anchors belong to the parent's contexts */
 }
@@ -616,6 +623,7 @@ static struct sstate *find_locked(struct mgpu_dev *d, uintptr_t key, int create)
     ss->dev = d;
     ss->key = key;
     ss->owner = self;
+    pthread_mutex_init(&ss->launch_mu, NULL);
     ss_reset(ss);
     ss->next = g_streams;
     g_streams = ss;
@@ -634,6 +642,8 @@ static __attribute__((noinline)) struct sstate *lookup_slow(struct mgpu_dev *d, 
         }
     pthread_mutex_lock(&mgpu_acct_mu);
     struct sstate *ss = find_locked(d, key, 1);
+    if (ss && !pthread_equal(ss->owner, pthread_self()))
+        atomic_store(&ss->shared, 1); /* a second thread launches on it */
     pthread_mutex_unlock(&mgpu_acct_mu);
     if (ss) {
         memmove(&tl_cache[1], &tl_cache[0], (TL_ENTS - 1) * sizeof tl_cache[0]);
@@ -682,6 +692,7 @@ struct gate {
     struct sstate *ss;  /* NULL: gated, not measured */
     uint64_t n;
     int slow;
+    int locked; /* holds ss->launch_mu */
 };
 
 static __attribute__((noinline)) CUresult gate_resolve(struct mgpu_dev **pd)
@@ -704,6 +715,7 @@ static inline CUresult gate_enter(struct gate *g, CUstream h, int ptsz)
     struct mgpu_dev *d = atomic_load_explicit(&mgpu_fast_dev, memory_order_relaxed);
     g->d = NULL;
     g->slow = 0;
+    g->locked = 0;
     if (MGPU_UNLIKELY(!d)) {
         CUresult r = gate_resolve(&d);
         if (r != CUDA_SUCCESS || !d)
@@ -719,8 +731,17 @@ static inline CUresult gate_enter(struct gate *g, CUstream h, int ptsz)
     g->d = d;
     if (MGPU_UNLIKELY(!ss))
         return CUDA_SUCCESS;
-    uint64_t n = atomic_load_explicit(&ss->submitted, memory_order_relaxed) + 1;
-    atomic_store_explicit(&ss->submitted, n, memory_order_relaxed);
+    /* Launch numbers must follow the stream's order, which marks and batches
+     * are counted in: threads that share a stream (the legacy stream, one
+     * handed between worker threads) launch on it one at a time. */
+    if (MGPU_UNLIKELY(atomic_load_explicit(&ss->shared, memory_order_relaxed))) {
+        pthread_mutex_lock(&ss->launch_mu);
+        g->locked = 1;
+    }
+    /* A read-modify-write all the same: the launch in flight on the owner
+     * thread when a second thread marks the stream shared must not reuse a
+     * number. */
+    uint64_t n = atomic_fetch_add_explicit(&ss->submitted, 1, memory_order_relaxed) + 1;
     g->n = n;
     if (MGPU_UNLIKELY(n >= atomic_load_explicit(&ss->check_at, memory_order_relaxed))) {
         g->slow = 1;
@@ -737,6 +758,8 @@ static inline CUresult gate_leave(struct gate *g, CUresult r)
         uint64_t exp = g->n;
         atomic_compare_exchange_strong(&g->ss->submitted, &exp, g->n - 1);
     }
+    if (MGPU_UNLIKELY(g->locked))
+        pthread_mutex_unlock(&g->ss->launch_mu);
     return r;
 }
 
