@@ -336,9 +336,7 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
         CUresult r = REAL(cuEventQuery)(m->end);
         if (r == CUDA_ERROR_NOT_READY)
             break;
-        int kept = 0;
-        uint64_t ends = ss->last_end;
-        ss->last_end = 0; /* unless batch_time places this batch */
+        int kept = 0, placed = 0;
         if (r == CUDA_SUCCESS && m->ref) {
             int64_t dur;
             if (elapsed_ns(m->ref, m->end, &dur) == 0 && dur >= 0) {
@@ -364,7 +362,7 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
                         learn(ss, (uint64_t)k1);
                 }
                 if (dur > 0 || first) {
-                    ss->last_end = ends;
+                    placed = 1;
                     uint64_t add = batch_time(ss, m->ref, m->end, (uint64_t)dur + first, first, m->contig, &kept);
                     gpu += add;
 #ifdef MGPU_TRACE
@@ -377,6 +375,8 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
                 }
             }
         }
+        if (!placed)
+            ss->last_end = 0; /* the next batch cannot follow an unplaced one */
         ss->completed = m->at > ss->completed ? m->at : ss->completed;
         ss->est_done = m->est_at > ss->est_done ? m->est_at : ss->est_done;
         ev_put(ss, m->ref0);
@@ -598,7 +598,8 @@ static void poll_all(void)
 
 void mgpu_launch_reset_after_fork(void)
 {
-    /* Called with mgpu_acct_mu fresh (fork child) or when re-attaching. */
+    /* The fork child only (atfork_child, with mgpu_acct_mu fresh): it
+     * re-initialises launch mutexes that a parent's thread may have held. */
     for (struct sstate *ss = g_streams; ss; ss = ss->next) {
         atomic_store(&ss->check_at, 0); /* the next launch takes the slow path and resets it */
         pthread_mutex_init(&ss->launch_mu, NULL); /* a parent's thread may have held it */
