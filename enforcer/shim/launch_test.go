@@ -57,8 +57,9 @@ func TestGrantGatesLaunches(t *testing.T) {
 // whatever the launch API, stream layout and kernel length.
 func TestGPUTimeMatchesDevice(t *testing.T) {
 	t.Parallel()
-	// exact: GPU time within 3 % of fakecuda's busy time.  Otherwise (short
-	// kernels, streams that time-share the device) fakecuda's dispatch gaps
+	// exact: GPU time within 3 % of fakecuda's busy time (streams of one
+	// process too: fakecuda counts the device passing between them as the
+	// process's).  Otherwise (20 µs kernels) fakecuda's dispatch gaps
 	// between back-to-back kernels (µs each) count as GPU time: gpu_ns must
 	// still lie between the busy time and the wall time (no double counting).
 	cases := []struct {
@@ -69,14 +70,14 @@ func TestGPUTimeMatchesDevice(t *testing.T) {
 	}{
 		{"launch-500us", []string{"--api", "launch", "--kernel-us", "500", "--depth", "4"}, false, true},
 		{"launchex-2streams-2threads-500us", []string{"--api", "launchex", "--kernel-us", "500", "--depth", "4",
-			"--streams", "2", "--threads", "2"}, false, false},
+			"--streams", "2", "--threads", "2"}, false, true},
 		{"coop-null-stream", []string{"--api", "coop", "--kernel-us", "200", "--null-stream"}, false, true},
 		{"graph-ptsz", []string{"--ptsz", "compute", "--api", "graph", "--kernel-us", "100", "--graph-nodes", "4",
 			"--null-stream"}, false, true},
 		{"asan-launch-500us", []string{"--api", "launch", "--kernel-us", "500", "--depth", "4"}, true, true},
 		{"launch-20us", []string{"--api", "launch", "--kernel-us", "20", "--depth", "8"}, false, false},
 		{"launch-100us-2streams-2threads", []string{"--api", "launch", "--kernel-us", "100", "--depth", "4",
-			"--streams", "2", "--threads", "2"}, false, false},
+			"--streams", "2", "--threads", "2"}, false, true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

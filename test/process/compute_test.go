@@ -92,16 +92,6 @@ func within(t *testing.T, what string, got, want float64) {
 	}
 }
 
-// knownGaps are the fixed-share cases that miss the regression tolerance
-// today (issue 6), skipped unless MGPU_STRICT_SHARES=1, with what was
-// measured.
-var knownGaps = map[string]string{
-	// Each thread on its own stream: the instance is over-charged (measured
-	// GPU time 30 while the device records 25.4; one stream shared by the
-	// same threads is exact).
-	"30 two threads two streams / 70": "two streams of one instance are over-charged (measured 25.4 for 30)",
-}
-
 func TestFixedShare(t *testing.T) {
 	win := window()
 	for _, tc := range []struct {
@@ -115,15 +105,14 @@ func TestFixedShare(t *testing.T) {
 		{"30/70 runtime path 500us", []load{{30, append([]string{"--resolve", "runtime"}, saturating("launch", 500, 8)...)}, {70, append([]string{"--resolve", "runtime"}, saturating("launch", 500, 8)...)}}},
 		{"30/70 graph 5ms", []load{{30, saturating("graph", 5000, 2, "--graph-nodes", "4")}, {70, saturating("graph", 5000, 2, "--graph-nodes", "4")}}},
 		{"30/70 graph 50us", []load{{30, saturating("graph", 50, 4, "--graph-nodes", "16")}, {70, saturating("graph", 50, 4, "--graph-nodes", "16")}}},
+		// Each thread on its own stream: one instance's demand, counted once.
 		{"30 two threads two streams / 70", []load{{30, saturating("launch", 200, 16, "--streams", "2", "--threads", "2")}, {70, saturating("launch", 200, 16)}}},
+		{"30 four threads four streams 50us / 70", []load{{30, saturating("launch", 50, 64, "--streams", "4", "--threads", "4")}, {70, saturating("launch", 50, 64)}}},
 		// Threads sharing one stream launch in turn; before they did, the
 		// 30 went unmeasured and took 38-61 % of the device.
 		{"30 four threads one stream 50us / 70", []load{{30, saturating("launch", 50, 64, "--threads", "4")}, {70, saturating("launch", 200, 16)}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if gap := knownGaps[tc.name]; gap != "" && !tol.Strict() {
-				t.Skip("known gap, run with MGPU_STRICT_SHARES=1: " + gap)
-			}
 			shares := measureShares(t, policy.FixedShare, tc.loads, time.Second, win)
 			for i, l := range tc.loads {
 				within(t, fmt.Sprintf("instance %d (core %d)", i, l.core), shares[i], float64(l.core))

@@ -877,10 +877,11 @@ static void run_kernel(CUcontext c, uint64_t dur, struct held *hd)
             hd->d = NULL; /* the slice ended: fc_exec_continue handed the device on */
     }
     if (!hd->d) {
-        hd->ticket = fc_exec_acquire(d, proc);
+        uint64_t since;
+        hd->ticket = fc_exec_acquire(d, proc, &since);
         hd->d = d;
         hd->proc = proc;
-        hd->mark = fc_now_ns();
+        hd->mark = since;
     }
     uint64_t t0 = fc_now_ns();
     uint64_t end = t0 + dur;

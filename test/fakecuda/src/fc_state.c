@@ -152,6 +152,7 @@ static int create_file(const char *dir, const char *path, int index)
         goto out;
     d->layout = FC_LAYOUT;
     d->slice_proc = -1;
+    d->handed_from = -1;
     d->slice_ns = (uint64_t)env_long("FAKECUDA_TIMESLICE_US", 4000, 0, 1000000) * 1000;
     d->index = (uint32_t)index;
     d->size = sizeof(*d);
@@ -337,10 +338,25 @@ int fc_proc_register(struct fc_dev *d, int pid, uint64_t pidns)
     return slot;
 }
 
+/* Whether a process other than proc waits for the device. */
+static int others_wait_locked(const struct fc_dev *d, int proc)
+{
+    if (d->nwait == 0)
+        return 0;
+    for (int w = 0; w < FC_MAX_WAITERS; w++)
+        if (d->wq[w].ticket && d->wq[w].proc != proc)
+            return 1;
+    return 0;
+}
+
 /* Hands the device to the oldest live waiter (or leaves it idle). */
 static void grant_next_locked(struct fc_dev *d)
 {
     uint64_t now = fc_now_ns();
+    /* A process's own streams are one context: while no other process
+     * waits, its slice goes on, as when nobody waits at all. */
+    if (d->slice_proc >= 0 && !others_wait_locked(d, d->slice_proc))
+        d->slice_end_ns = now + d->slice_ns;
     int in_slice = d->slice_proc >= 0 && now < d->slice_end_ns;
     for (;;) {
         int best = -1;
@@ -349,6 +365,14 @@ static void grant_next_locked(struct fc_dev *d)
         if (in_slice)
             for (int w = 0; w < FC_MAX_WAITERS; w++)
                 if (d->wq[w].ticket && d->wq[w].proc == d->slice_proc &&
+                    (best < 0 || d->wq[w].ticket < d->wq[best].ticket))
+                    best = w;
+        /* When it has ended, another process goes first: the slice's own
+         * streams may hold older tickets, but they are the context whose
+         * turn is over. */
+        if (best < 0 && !in_slice)
+            for (int w = 0; w < FC_MAX_WAITERS; w++)
+                if (d->wq[w].ticket && d->wq[w].proc != d->slice_proc &&
                     (best < 0 || d->wq[w].ticket < d->wq[best].ticket))
                     best = w;
         if (best < 0)
@@ -379,8 +403,11 @@ static void grant_next_locked(struct fc_dev *d)
             p->state = FC_PROC_DEAD;
             continue;
         }
+        d->handed_from = d->owner_proc;
+        d->handed_ns = now;
         d->owner_ticket = wt.ticket;
         d->owner_proc = wt.proc;
+        d->turn_end_ns = now + d->slice_ns;
         if (wt.proc != d->slice_proc || !in_slice) {
             d->slice_proc = wt.proc; /* a new slice begins */
             d->slice_end_ns = now + d->slice_ns;
@@ -391,13 +418,15 @@ static void grant_next_locked(struct fc_dev *d)
     futex(&d->seq, FUTEX_WAKE, INT_MAX, NULL);
 }
 
-uint64_t fc_exec_acquire(struct fc_dev *d, int proc)
+uint64_t fc_exec_acquire(struct fc_dev *d, int proc, uint64_t *since)
 {
     fc_dev_lock(d);
     uint64_t t = ++d->next_ticket;
+    *since = fc_now_ns(); /* the immediate path below; the waiting path sets it again */
     if (d->owner_ticket == 0 && d->nwait == 0) {
         d->owner_ticket = t;
         d->owner_proc = proc;
+        d->turn_end_ns = *since + d->slice_ns;
         if (proc != d->slice_proc || fc_now_ns() >= d->slice_end_ns) {
             d->slice_proc = proc;
             d->slice_end_ns = fc_now_ns() + d->slice_ns;
@@ -436,6 +465,9 @@ uint64_t fc_exec_acquire(struct fc_dev *d, int proc)
         else if (d->owner_ticket == 0 && d->nwait > 0)
             grant_next_locked(d);
     }
+    *since = fc_now_ns();
+    if (d->handed_from == proc && d->handed_ns < *since)
+        *since = d->handed_ns; /* handed on by another stream of this process */
     fc_dev_unlock(d);
     return t;
 }
@@ -490,6 +522,13 @@ int fc_exec_continue(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_
         keep = 1; /* nobody waits: the slice goes on */
         d->slice_proc = proc;
         d->slice_end_ns = now + d->slice_ns;
+        d->turn_end_ns = d->slice_end_ns;
+    } else if (d->slice_proc == proc && !others_wait_locked(d, proc)) {
+        /* Only this process's other streams wait: its slice goes on; its
+         * streams take turns of a slice's length (grant_next_locked hands
+         * the device to the oldest of them). */
+        d->slice_end_ns = now + d->slice_ns;
+        keep = now < d->turn_end_ns;
     } else if (d->slice_proc == proc && now < d->slice_end_ns) {
         keep = 1;
     }

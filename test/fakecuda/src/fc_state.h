@@ -23,7 +23,7 @@
 #define FC_MAX_PROCS 1024
 #define FC_MAX_WAITERS 256
 #define FC_MAGIC 0x41445543454b4146ULL /* "FAKECUDA" */
-#define FC_LAYOUT 3
+#define FC_LAYOUT 4
 #define FC_NAME_LEN 96
 
 enum { FC_PROC_FREE = 0, FC_PROC_ALIVE = 1, FC_PROC_DEAD = 2 };
@@ -68,6 +68,10 @@ struct fc_dev {
     int32_t slice_proc;    /* process whose time slice runs; -1: none */
     uint64_t slice_end_ns; /* when that slice ends (CLOCK_MONOTONIC) */
     uint64_t slice_ns;     /* FAKECUDA_TIMESLICE_US, in ns */
+    uint64_t turn_end_ns;  /* when the holding stream's turn among its process's streams ends */
+    uint64_t handed_ns;    /* when grant_next_locked last handed the device on */
+    int32_t handed_from;   /* the process that held it then; -1: none */
+    int32_t pad;
     struct fc_waiter wq[FC_MAX_WAITERS];
     struct fc_proc procs[FC_MAX_PROCS];
 };
@@ -107,8 +111,12 @@ uint64_t fc_self_pidns(void);
  * the entry or -1. */
 int fc_proc_register(struct fc_dev *d, int pid, uint64_t pidns);
 
-/* Exclusive kernel execution, FIFO among waiters. */
-uint64_t fc_exec_acquire(struct fc_dev *d, int proc);
+/* Exclusive kernel execution, FIFO among waiters.  *since: when the caller's
+ * hold began for accounting: now, or when the device was handed to it by
+ * another stream of its own process (the hand-over is that process's time:
+ * its context never left the device, as its streams run concurrently on a
+ * real GPU). */
+uint64_t fc_exec_acquire(struct fc_dev *d, int proc, uint64_t *since);
 /* Records a kernel that just ended on the device the caller holds: busy_ns
  * is the time held since the last record (what the worker did before the
  * kernel while holding, and the kernel), kernel_ns the kernel's own time. */

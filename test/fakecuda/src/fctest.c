@@ -8,6 +8,8 @@
 #include "mgpu_cuda.h"
 
 #include <pthread.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -370,10 +372,58 @@ static int t_memory(void)
     return 0;
 }
 
+/* A process's own streams are one context: while only they wait for the
+ * device, its time slice goes on.  The parent keeps two streams busy with
+ * 250 us kernels well past one slice; then a child process launches one
+ * kernel.  The child waits about a whole slice (the parent's slice was
+ * renewed at its last kernel), never longer than a slice and a kernel. */
+static int t_slice(void)
+{
+    int go[2], back[2];
+    CHECK(pipe(go) == 0 && pipe(back) == 0);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        setup();
+        char c;
+        CHECK(read(go[0], &c, 1) == 1);
+        uint64_t t0 = now_ns();
+        uint64_t ns = 100000ULL;
+        void *p[] = {&ns};
+        OK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, NULL, p, NULL));
+        OK(cuStreamSynchronize(NULL));
+        uint64_t waited = now_ns() - t0;
+        CHECK(write(back[1], &waited, sizeof waited) == (ssize_t)sizeof waited);
+        _exit(0);
+    }
+    setup();
+    CUstream s[2];
+    OK(cuStreamCreate(&s[0], 0));
+    OK(cuStreamCreate(&s[1], 0));
+    uint64_t ns = 250000ULL;
+    void *p[] = {&ns};
+    CUevent mid;
+    OK(cuEventCreate(&mid, 0));
+    for (int i = 0; i < 96; i++) { /* 24 ms of work, 12 ms per stream */
+        OK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s[i % 2], p, NULL));
+        if (i == 43) /* 11 ms in: between the slice boundaries of 4 ms turns */
+            OK(cuEventRecord(mid, s[1]));
+    }
+    OK(cuEventSynchronize(mid));
+    CHECK(write(go[1], "g", 1) == 1);
+    uint64_t waited = 0;
+    CHECK(read(back[0], &waited, sizeof waited) == (ssize_t)sizeof waited);
+    int st = 0;
+    CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    OK(cuCtxSynchronize());
+    printf("other_wait_us=%.0f\nslice=ok\n", (double)waited / 1e3);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
-        fprintf(stderr, "usage: fctest async|procaddr|ptsz|graph|memory\n");
+        fprintf(stderr, "usage: fctest async|procaddr|ptsz|graph|memory|slice\n");
         return 2;
     }
     int r = 2;
@@ -387,5 +437,7 @@ int main(int argc, char **argv)
         r = t_graph();
     else if (!strcmp(argv[1], "memory"))
         r = t_memory();
+    else if (!strcmp(argv[1], "slice"))
+        r = t_slice();
     return r;
 }
