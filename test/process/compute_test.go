@@ -12,8 +12,8 @@ import (
 	tol "github.com/mgpu-dev/mgpu/test/shares"
 )
 
-// epsilon is the tolerance asserted: the normative 2 points with
-// MGPU_STRICT_SHARES=1, a regression guard otherwise (test/shares).
+// epsilon is the tolerance asserted: the normative 2 points,
+// unless MGPU_STRICT_SHARES=0 asks for a regression guard (test/shares).
 var epsilon = tol.Tolerance()
 
 // load is one saturating workload of a share scenario.

@@ -2,11 +2,10 @@
 // test/e2e) assert with.
 //
 // The normative tolerance is ε = 2 percentage points (DESIGN.md, "Compute
-// policies"). On the 2-core CI machine the simulated GPU does not yet meet it
-// in every case with margin (issue 6 stays open until it does): the tests
-// therefore assert ε = 2 when MGPU_STRICT_SHARES=1 (the acceptance run) and
-// guard against regressions with Regression points otherwise, always
-// logging what they measured.
+// policies"), and it is what the tests assert, in CI too. MGPU_STRICT_SHARES=0
+// asks for the wider Regression tolerance instead, for a machine too loaded
+// to time a 10 s window well (a developer's laptop running other work); the
+// tests always log what they measured.
 package shares
 
 import "os"
@@ -14,15 +13,13 @@ import "os"
 // Normative is ε, in percentage points.
 const Normative = 2.0
 
-// Regression is the tolerance of the default (CI) run, in points: wide
-// enough for the known short-kernel measurement gap (fixed-share 30/70 with
-// 100 µs kernels measures about 27/73), narrow enough to catch a broken
-// policy.
+// Regression is the tolerance with MGPU_STRICT_SHARES=0, in points: narrow
+// enough to catch a broken policy.
 const Regression = 5.0
 
-// Strict reports whether MGPU_STRICT_SHARES=1 asks for the normative
-// tolerance.
-func Strict() bool { return os.Getenv("MGPU_STRICT_SHARES") == "1" }
+// Strict reports whether the normative tolerance applies (unless
+// MGPU_STRICT_SHARES=0).
+func Strict() bool { return os.Getenv("MGPU_STRICT_SHARES") != "0" }
 
 // Tolerance is the tolerance to assert with.
 func Tolerance() float64 {
