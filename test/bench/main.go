@@ -22,6 +22,7 @@ import (
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/enforcer/arbiter"
 	"github.com/mgpu-dev/mgpu/internal/policy"
+	"github.com/mgpu-dev/mgpu/test/e2e"
 	"github.com/mgpu-dev/mgpu/test/harness"
 )
 
@@ -37,6 +38,7 @@ type bench struct {
 	rows   []row
 	rounds int
 	window time.Duration
+	hookN  int
 }
 
 func (b *bench) report(name string, value float64, unit, target string) {
@@ -45,11 +47,12 @@ func (b *bench) report(name string, value float64, unit, target string) {
 }
 
 func main() {
-	only := flag.String("only", "", "comma-separated sections to run (arbiter,launch,alloc,start,share,reclaim,cpu); default all")
+	only := flag.String("only", "", "comma-separated sections to run (arbiter,launch,alloc,start,share,reclaim,cpu,hook); default all")
+	hookN := flag.Int("hook-containers", 20, "containers per variant (with and without the hooks) and engine in the hook section")
 	rounds := flag.Int("rounds", 5, "interleaved rounds per side-by-side measurement")
 	win := flag.Duration("window", 4*time.Second, "measurement window of each share case")
 	flag.Parse()
-	b := &bench{out: os.Stdout, rounds: *rounds, window: *win}
+	b := &bench{out: os.Stdout, rounds: *rounds, window: *win, hookN: *hookN}
 	sections := []struct {
 		name string
 		fn   func() error
@@ -61,6 +64,7 @@ func main() {
 		{"share", b.shareError},
 		{"reclaim", b.reclaim},
 		{"cpu", b.enforcerCPU},
+		{"hook", b.hookCost},
 	}
 	want := map[string]bool{}
 	for _, s := range strings.Split(*only, ",") {
@@ -563,4 +567,40 @@ func cpuOver(pid int, d time.Duration) (float64, error) {
 	}
 	const hz = 100 // USER_HZ on Linux
 	return 100 * (t1 - t0) / hz / time.Since(start).Seconds(), nil
+}
+
+// hookCost measures what the OCI hooks add to a container's creation and
+// removal (test/e2e.HookBench: containers with and without the hooks,
+// interleaved, in one run), with containerd 2.x (ctr) and podman. It needs
+// root and the engines (test/e2e/deps.sh); without them the section says so
+// on stderr and reports nothing.
+func (b *bench) hookCost() error {
+	if os.Geteuid() != 0 {
+		fmt.Fprintln(os.Stderr, "mgpu-bench: hook: skipped: containers need root")
+		return nil
+	}
+	for _, engine := range []string{"ctr", "podman"} {
+		switch engine {
+		case "ctr":
+			if _, err := e2e.ContainerdBinaries(); err != nil {
+				fmt.Fprintf(os.Stderr, "mgpu-bench: hook: ctr skipped: %v\n", err)
+				continue
+			}
+		case "podman":
+			if _, err := exec.LookPath("podman"); err != nil {
+				fmt.Fprintln(os.Stderr, "mgpu-bench: hook: podman skipped: podman is not installed (test/e2e/deps.sh)")
+				continue
+			}
+		}
+		res, err := e2e.HookBench(context.Background(), e2e.HookBenchOptions{N: b.hookN, Engine: engine})
+		if err != nil {
+			return err
+		}
+		ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
+		b.report("hook_create_"+engine+"_without", ms(e2e.Median(res.CreateWithout)), "ms", "")
+		b.report("hook_create_"+engine+"_with", ms(e2e.Median(res.CreateWith)), "ms", "")
+		b.report("hook_create_overhead_"+engine, ms(res.CreateOverhead()), "ms", "<= 20")
+		b.report("hook_remove_overhead_"+engine, ms(res.RemoveOverhead()), "ms", "")
+	}
+	return nil
 }

@@ -671,7 +671,13 @@ func (e *env) sample(t *testing.T) sample {
 	if !ok {
 		t.Fatalf("the simulated device 0 has no state: %+v", st)
 	}
-	s := sample{at: t0.Add(t1.Sub(t0) / 2), busy: map[uint64]uint64{}, dev: d.BusyNs}
+	// The device's own stamp: starting fakecuda-ctl takes milliseconds on a
+	// loaded machine; the midpoint is the fallback for a stamp-less state.
+	at, ok := harness.MonoTime(st.AtNs)
+	if !ok {
+		at = t0.Add(t1.Sub(t0) / 2)
+	}
+	s := sample{at: at, busy: map[uint64]uint64{}, dev: d.BusyNs}
 	for _, p := range d.Procs {
 		s.busy[p.PIDNS] += p.BusyNs
 	}
@@ -719,19 +725,22 @@ func within(t *testing.T, what string, got, want float64) {
 func TestShares(t *testing.T) {
 	win, warm := window(), time.Second
 	secs := (warm + win + 10*time.Second).Seconds()
+	// The idle 70 of guaranteed-burst-share resumes after the window.
+	idleMs := strconv.Itoa(int((warm + win + 2*time.Second) / time.Millisecond))
 	for _, tc := range []struct {
 		name, policy string
 		engines      int
 		loads        []load
 		check        func(t *testing.T, shares []float64, device float64)
+		after        func(t *testing.T, e *env, rs []running) // then, with the containers still running
 	}{
 		{"fixed-share 30/70", "fixed-share", useCtr | usePodman, []load{saturating("30"), saturating("70")},
 			func(t *testing.T, s []float64, _ float64) {
 				within(t, "core 30", s[0], 30)
 				within(t, "core 70", s[1], 70)
-			}},
-		{"guaranteed-burst-share 30/70, the 70 idle", "guaranteed-burst-share", useCtr, []load{saturating("30"),
-			{"70", "compute --api launch --kernel-us 100 --depth 64 --seconds %s --idle-ms 600000", "idle ms="}},
+			}, nil},
+		{"guaranteed-burst-share 30/70, the 70 idle then back", "guaranteed-burst-share", useCtr, []load{saturating("30"),
+			{"70", "compute --api launch --kernel-us 100 --depth 64 --seconds %s --idle-ms " + idleMs, "idle ms="}},
 			func(t *testing.T, s []float64, _ float64) {
 				if s[0] < 95 {
 					t.Errorf("with the 70 idle the 30 got %.2f%% of the device, want >= 95", s[0])
@@ -739,12 +748,26 @@ func TestShares(t *testing.T) {
 				if s[1] > 0.5 {
 					t.Errorf("the idle 70 used %.2f%% of the device", s[1])
 				}
+			},
+			// When the 70 resumes it takes its share back (how fast is
+			// test/process's TestGuaranteedBurstShare: containers change
+			// nothing in the enforcer and the shim).
+			func(t *testing.T, e *env, rs []running) {
+				e.waitOutput(t, rs[1].id, "start mono_ns=", 20*time.Second)
+				shares, dev := e.measure(t, rs, 200*time.Millisecond, 2*time.Second)
+				t.Logf("after the 70 resumed: shares over 2s: %.2f (device %.2f%%)", shares, dev)
+				if shares[1] < 70-epsilon {
+					t.Errorf("the resumed 70 got %.2f%% of the device, want >= %.0f", shares[1], 70-epsilon)
+				}
+				if shares[0] < 30-epsilon {
+					t.Errorf("the 30 got %.2f%% once the 70 resumed, want >= %.0f", shares[0], 30-epsilon)
+				}
 			}},
 		{"native-burst-share 1:3", "native-burst-share", useCtr, []load{saturating("1"), saturating("3")},
 			func(t *testing.T, s []float64, _ float64) {
 				within(t, "weight 1", s[0], 25)
 				within(t, "weight 3", s[1], 75)
-			}},
+			}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := setup(t, NodeOptions{Policies: map[int]string{0: tc.policy}}, tc.engines)
@@ -754,6 +777,9 @@ func TestShares(t *testing.T) {
 					shares, dev := e.measure(t, rs, warm, win)
 					t.Logf("%s, %s: shares over %v: %.2f (device %.2f%%)", tc.name, eng.Name(), win, shares, dev)
 					tc.check(t, shares, dev)
+					if tc.after != nil {
+						tc.after(t, e, rs)
+					}
 					for _, r := range rs {
 						if err := eng.Remove(context.Background(), r.id); err != nil {
 							t.Fatal(err)
