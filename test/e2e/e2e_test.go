@@ -77,6 +77,7 @@ func requirements(t *testing.T, engines int) (cdBin, podman string) {
 func setup(t *testing.T, opts NodeOptions, engines int) *env {
 	t.Helper()
 	cdBin, podman := requirements(t, engines)
+	opts.Installed = InstalledFromEnv()
 	logs := &harness.SyncBuffer{} // the enforcers' logs; a failed test prints them
 	if opts.Log == nil {
 		opts.Log = logs
@@ -953,7 +954,7 @@ func TestHookBench(t *testing.T) {
 		n, _ = strconv.Atoi(s)
 	}
 	for _, engine := range []string{"ctr", "podman"} {
-		res, err := HookBench(context.Background(), HookBenchOptions{N: n, Engine: engine})
+		res, err := HookBench(context.Background(), HookBenchOptions{N: n, Engine: engine, Installed: InstalledFromEnv()})
 		if err != nil {
 			t.Fatal(err)
 		}

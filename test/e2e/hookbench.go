@@ -19,6 +19,8 @@ type HookBenchOptions struct {
 	Engine string
 	// Log receives the enforcer's output (default: discarded).
 	Log io.Writer
+	// Installed: measure an installed mgpu (NodeOptions.Installed).
+	Installed string
 }
 
 // HookBenchResult holds the measured times, one per container, in the
@@ -84,7 +86,7 @@ func HookBench(ctx context.Context, opts HookBenchOptions) (res HookBenchResult,
 	if os.Geteuid() != 0 {
 		return res, errors.New("e2e: HookBench needs root")
 	}
-	n, err := NewNode(NodeOptions{Log: opts.Log})
+	n, err := NewNode(NodeOptions{Log: opts.Log, Installed: opts.Installed})
 	if err != nil {
 		return res, err
 	}

@@ -39,7 +39,18 @@ type NodeOptions struct {
 	MaxInstances int            // max_instances (0: the config default, 16)
 	// Log receives the enforcers' output (default: discarded).
 	Log io.Writer
+	// Installed is an installation prefix (a package's: "/usr") whose
+	// bin/mgpu-{cli,enforcer,hook} and lib/mgpu/ (the shim and its preload
+	// file) the node uses in place of the build's: then only the test
+	// fixtures (the simulated driver, fakecuda-ctl, mgpu-workload) come from
+	// the build directory. Empty: everything from the build.
+	Installed string
 }
+
+// InstalledFromEnv is NodeOptions.Installed as the tests take it:
+// MGPU_E2E_INSTALLED (test/packaging sets it to run this suite on an
+// installed package).
+func InstalledFromEnv() string { return os.Getenv("MGPU_E2E_INSTALLED") }
 
 // Node is a simulated GPU node laid out for containers: a configuration
 // with private run, state and prefix directories, the hook and the shim
@@ -56,7 +67,8 @@ type Node struct {
 	IODir      string // mounted read-write at /e2e in containers: their output files
 	Rootfs     string // the containers' root filesystem
 	Build      string // the node's snapshot of the build directory (make build)
-	CLI        string // mgpu-cli of the snapshot
+	CLI        string // mgpu-cli (of the snapshot, or the installed one)
+	Enforcer   string // mgpu-enforcer (of the snapshot, or the installed one)
 	Ctl        string // fakecuda-ctl of the snapshot
 
 	opts      NodeOptions
@@ -81,8 +93,19 @@ func NewNode(opts NodeOptions) (n *Node, err error) {
 		return nil, err
 	}
 	n = &Node{Build: build, opts: opts, enforcers: map[int]*exec.Cmd{}}
-	for _, p := range []string{"bin/mgpu-cli", "bin/fakecuda-ctl", "bin/mgpu-enforcer", "bin/mgpu-hook", "bin/mgpu-workload",
-		"lib/libmgpu-shim.so", "fakecuda/libcuda.so.1", "fakecuda/libnvidia-ml.so.1"} {
+	// The fixtures always come from the build; mgpu's own files from it
+	// unless an installation is named.
+	fromBuild := []string{"bin/fakecuda-ctl", "bin/mgpu-workload", "fakecuda/libcuda.so.1", "fakecuda/libnvidia-ml.so.1"}
+	if opts.Installed == "" {
+		fromBuild = append(fromBuild, "bin/mgpu-cli", "bin/mgpu-enforcer", "bin/mgpu-hook", "lib/libmgpu-shim.so")
+	} else {
+		for _, p := range []string{"bin/mgpu-cli", "bin/mgpu-enforcer", "bin/mgpu-hook", "lib/mgpu/libmgpu-shim.so", "lib/mgpu/ld.so.preload"} {
+			if _, err := os.Stat(filepath.Join(opts.Installed, p)); err != nil {
+				return nil, fmt.Errorf("e2e: the installation under %s lacks %s: %w", opts.Installed, p, err)
+			}
+		}
+	}
+	for _, p := range fromBuild {
 		if _, err := os.Stat(filepath.Join(build, p)); err != nil {
 			return nil, fmt.Errorf("e2e: %s is missing; run make build", filepath.Join(build, p))
 		}
@@ -91,9 +114,10 @@ func NewNode(opts NodeOptions) (n *Node, err error) {
 	if n.Dir, err = os.MkdirTemp("", "mgpu-e2e-"); err != nil {
 		return nil, err
 	}
+	dir := n.Dir
 	defer func() {
 		if err != nil {
-			_ = os.RemoveAll(n.Dir)
+			_ = os.RemoveAll(dir) // n is nil by then
 		}
 	}()
 	if err := os.Chmod(n.Dir, 0o755); err != nil { //nolint:gosec // containers traverse it
@@ -105,7 +129,11 @@ func NewNode(opts NodeOptions) (n *Node, err error) {
 	n.FakeState = filepath.Join(n.Dir, "fakecuda")
 	n.IODir = filepath.Join(n.Dir, "io")
 	n.Rootfs = filepath.Join(n.Dir, "rootfs")
-	for _, d := range []string{n.FakeState, n.IODir, filepath.Join(n.Prefix, "bin"), filepath.Join(n.Prefix, "lib", "mgpu")} {
+	dirs := []string{n.FakeState, n.IODir}
+	if opts.Installed == "" {
+		dirs = append(dirs, filepath.Join(n.Prefix, "bin"), filepath.Join(n.Prefix, "lib", "mgpu"))
+	}
+	for _, d := range dirs {
 		if err := os.MkdirAll(d, 0o755); err != nil { //nolint:gosec // shared with containers
 			return nil, err
 		}
@@ -119,21 +147,27 @@ func NewNode(opts NodeOptions) (n *Node, err error) {
 	// A snapshot of the build, so that a rebuild of build/ while the node
 	// runs cannot mix two builds (the simulated driver's state layout).
 	snap := filepath.Join(n.Dir, "build")
-	for _, p := range []string{"bin/mgpu-cli", "bin/fakecuda-ctl", "bin/mgpu-enforcer", "bin/mgpu-hook", "bin/mgpu-workload",
-		"lib/libmgpu-shim.so", "fakecuda/libcuda.so.1", "fakecuda/libnvidia-ml.so.1"} {
+	for _, p := range fromBuild {
 		if err := copyFile(filepath.Join(build, p), filepath.Join(snap, p), 0o755); err != nil {
 			return nil, err
 		}
 	}
 	n.Build = snap
-	n.CLI, n.Ctl = n.bin("mgpu-cli"), n.bin("fakecuda-ctl")
-	if err := copyFile(n.bin("mgpu-hook"), filepath.Join(n.Prefix, "bin", "mgpu-hook"), 0o755); err != nil {
-		return nil, err
+	n.Ctl = n.bin("fakecuda-ctl")
+	if opts.Installed != "" {
+		n.Prefix = opts.Installed
+		n.CLI = filepath.Join(opts.Installed, "bin", "mgpu-cli")
+		n.Enforcer = filepath.Join(opts.Installed, "bin", "mgpu-enforcer")
+	} else {
+		n.CLI, n.Enforcer = n.bin("mgpu-cli"), n.bin("mgpu-enforcer")
+		if err := copyFile(n.bin("mgpu-hook"), filepath.Join(n.Prefix, "bin", "mgpu-hook"), 0o755); err != nil {
+			return nil, err
+		}
+		if err := copyFile(filepath.Join(snap, "lib", "libmgpu-shim.so"), filepath.Join(n.Prefix, "lib", "mgpu", "libmgpu-shim.so"), 0o755); err != nil {
+			return nil, err
+		}
 	}
-	if err := copyFile(filepath.Join(snap, "lib", "libmgpu-shim.so"), filepath.Join(n.Prefix, "lib", "mgpu", "libmgpu-shim.so"), 0o755); err != nil {
-		return nil, err
-	}
-	if err := BuildRootfs(n.Rootfs, snap); err != nil {
+	if err := BuildRootfs(n.Rootfs, snap, filepath.Join(n.Prefix, "lib", "mgpu", "libmgpu-shim.so")); err != nil {
 		return nil, err
 	}
 	var b strings.Builder
@@ -190,6 +224,22 @@ func (n *Node) GenerateSpec(hooks bool) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("e2e: mgpu-cli cdi generate: %w\n%s", err, out)
 	}
+	if n.opts.Installed != "" {
+		// What the containers get must be the installation's files.
+		data, err := os.ReadFile(file) //nolint:gosec // the spec just written
+		if err != nil {
+			return "", err
+		}
+		want := []string{filepath.Join(n.opts.Installed, "lib", "mgpu", "libmgpu-shim.so")}
+		if hooks {
+			want = append(want, filepath.Join(n.opts.Installed, "bin", "mgpu-hook"))
+		}
+		for _, w := range want {
+			if !bytes.Contains(data, []byte(w)) {
+				return "", fmt.Errorf("e2e: the CDI spec %s does not use the installed %s:\n%s", file, w, data)
+			}
+		}
+	}
 	return kind, nil
 }
 
@@ -201,7 +251,7 @@ func (n *Node) StartEnforcer(dev int) error {
 	if c, ok := n.enforcers[dev]; ok && c.ProcessState == nil {
 		return fmt.Errorf("e2e: enforcer %d already runs", dev)
 	}
-	cmd := exec.Command(n.bin("mgpu-enforcer"), "--device", strconv.Itoa(dev), "--config", n.ConfigPath) //nolint:gosec // the build's binary
+	cmd := exec.Command(n.Enforcer, "--device", strconv.Itoa(dev), "--config", n.ConfigPath) //nolint:gosec // the build's or the installed binary
 	cmd.Env = append(os.Environ(), n.FakeEnv()...)
 	cmd.Env = append(cmd.Env, "LD_LIBRARY_PATH="+filepath.Join(n.Build, "fakecuda"))
 	w := n.opts.Log

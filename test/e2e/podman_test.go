@@ -39,6 +39,11 @@ func podmanRepoRoot(t *testing.T) string {
 
 func podmanRequire(t *testing.T) string {
 	t.Helper()
+	if InstalledFromEnv() != "" {
+		// These check the spec's edits with binaries built from the source
+		// tree; the installed package's run covers the Node-based tests.
+		t.Skip("MGPU_E2E_INSTALLED: this test builds from the source tree")
+	}
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: podman runs rootful containers with device nodes (run test/e2e/deps.sh, then go test as root)")
 	}

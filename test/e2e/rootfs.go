@@ -29,8 +29,9 @@ var busyboxApplets = []string{"sh", "cat", "ls", "stat", "test", "touch", "grep"
 //   - /bin/probe, a static helper (testdata/probe) that attaches to the
 //     enforcer like the shim and prints what its region says.
 //
-// The shim itself is not in it: the CDI spec mounts it.
-func BuildRootfs(dir, build string) error {
+// The shim itself is not in it: the CDI spec mounts it; shim is the file
+// whose libraries the root filesystem must hold.
+func BuildRootfs(dir, build, shim string) error {
 	bin := filepath.Join(dir, "bin")
 	if err := os.MkdirAll(bin, 0o755); err != nil { //nolint:gosec // a root filesystem
 		return err
@@ -58,7 +59,7 @@ func BuildRootfs(dir, build string) error {
 	}
 	libs := map[string]string{} // path in the rootfs -> host file
 	var libcDir string
-	for _, obj := range []string{workload, filepath.Join(build, "lib", "libmgpu-shim.so"),
+	for _, obj := range []string{workload, shim,
 		filepath.Join(fake, "libcuda.so.1"), filepath.Join(fake, "libnvidia-ml.so.1")} {
 		deps, err := lddDeps(obj, fake)
 		if err != nil {

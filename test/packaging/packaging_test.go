@@ -1,6 +1,7 @@
 // Package packaging_test checks `make package` and the packages it builds:
 // their file lists, the systemd units, and, as root on Debian, a real
-// dpkg install, removal, reinstall and an upgrade under a running enforcer.
+// dpkg install, removal, reinstall and an upgrade under a running enforcer,
+// and the container suite (test/e2e) run on the installed package.
 //
 // The install tests install onto this machine rather than into a
 // debootstrap chroot: a chroot costs minutes and a few hundred MiB per run,
@@ -530,14 +531,7 @@ func TestDebInstallUpgradeRemove(t *testing.T) {
 	if !exists("/usr/bin/systemctl") {
 		t.Skip("/usr/bin/systemctl missing: the fake systemd replaces that file")
 	}
-	if s := dpkgStatus(t); s != "" && !strings.HasPrefix(s, "un") {
-		t.Skipf("an mgpu package is known to dpkg here (%s); not touching it", s)
-	}
-	for _, p := range packagePaths {
-		if exists(p) {
-			t.Skipf("%s exists: this machine has mgpu files the test would overwrite or purge", p)
-		}
-	}
+	machineFree(t)
 	dist := packages(t)
 
 	tmp := t.TempDir()
@@ -722,6 +716,78 @@ memory_mib = 16384
 	}
 	if s := dpkgStatus(t); s != "" && !strings.HasPrefix(s, "un") {
 		t.Errorf("dpkg status after the purge: %q", s)
+	}
+}
+
+// machineFree skips the test unless this machine has no mgpu package and
+// none of its files: the install tests install onto it and purge at the end.
+func machineFree(t *testing.T) {
+	t.Helper()
+	if s := dpkgStatus(t); s != "" && !strings.HasPrefix(s, "un") {
+		t.Skipf("an mgpu package is known to dpkg here (%s); not touching it", s)
+	}
+	for _, p := range packagePaths {
+		if exists(p) {
+			t.Skipf("%s exists: this machine has mgpu files the test would overwrite or purge", p)
+		}
+	}
+}
+
+// TestContainerE2EFromPackage installs the .deb and runs the container
+// suite (test/e2e) on it: the enforcer, the CLI, the hook the CDI spec runs
+// and the shim it mounts are the package's, under /usr; the build directory
+// the suite sees holds only the test fixtures (the simulated driver,
+// fakecuda-ctl, mgpu-workload), so nothing of mgpu can come from the build
+// tree. The tests that build their own binaries from the source tree skip
+// themselves in this mode.
+func TestContainerE2EFromPackage(t *testing.T) {
+	needRoot(t)
+	needTools(t, "dpkg", "dpkg-query", "go")
+	machineFree(t)
+	root := repoRoot(t)
+	fixtures := filepath.Join(t.TempDir(), "build")
+	for _, f := range []string{"bin/fakecuda-ctl", "bin/mgpu-workload", "fakecuda/libcuda.so.1", "fakecuda/libnvidia-ml.so.1"} {
+		data, err := os.ReadFile(filepath.Join(root, "build", f))
+		if err != nil {
+			t.Skipf("the test fixtures are not built (make build): %v", err)
+		}
+		if err := os.MkdirAll(filepath.Dir(filepath.Join(fixtures, f)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(fixtures, f), data, 0o755); err != nil { //nolint:gosec // executables and libraries
+			t.Fatal(err)
+		}
+	}
+	dist := packages(t)
+	t.Cleanup(func() {
+		if out, err := exec.Command("dpkg", "--purge", "mgpu").CombinedOutput(); err != nil {
+			t.Errorf("cleanup: dpkg --purge mgpu: %v\n%s", err, out)
+		}
+		for _, p := range packagePaths {
+			if exists(p) {
+				t.Errorf("cleanup: %s is left after the purge", p)
+			}
+		}
+	})
+	run(t, "dpkg", "-i", debFile(dist, v2))
+	cmd := exec.Command("go", "test", "-count=1", "-p", "1", "-v", "-timeout", "20m", "./test/e2e")
+	cmd.Dir = root
+	cmd.Env = append(os.Environ(), "MGPU_E2E_INSTALLED=/usr", "MGPU_BUILD="+fixtures)
+	out, err := cmd.CombinedOutput()
+	var summary []string
+	for _, l := range strings.Split(string(out), "\n") {
+		if strings.HasPrefix(l, "--- ") || strings.HasPrefix(l, "ok ") || strings.HasPrefix(l, "FAIL") {
+			summary = append(summary, l)
+		}
+	}
+	t.Logf("test/e2e on the installed package (MGPU_E2E_INSTALLED=/usr):\n%s", strings.Join(summary, "\n"))
+	if err != nil {
+		t.Fatalf("test/e2e on the installed package: %v\n%s", err, out)
+	}
+	for _, want := range []string{"--- PASS: TestShares", "--- PASS: TestAdmissionRefused", "--- PASS: TestExecJoinsInstance", "--- PASS: TestEnforcerRestart"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("test/e2e on the installed package: no %q (skipped?)", strings.TrimPrefix(want, "--- PASS: "))
+		}
 	}
 }
 
