@@ -19,10 +19,12 @@ if ! have_lint; then
     go install "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$GOLANGCI_VERSION")
 fi
 
-# Packaging test dependencies: rpm (rpm -qlp) and systemd (systemd-analyze
-# verify). Installing systemd does not make it PID 1; it only brings the tools.
+# Packaging test dependencies: rpm (rpm -qlp), systemd (systemd-analyze
+# verify; installing it does not make it PID 1, it only brings the tools),
+# and, for the upgrade under a running systemd, systemd-container
+# (systemd-nspawn boots a Debian tree) and mmdebstrap (builds that tree).
 missing=""
-for pkg in rpm systemd; do
+for pkg in rpm systemd systemd-container mmdebstrap; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing="$missing $pkg"
 done
 if [ -n "$missing" ]; then
@@ -33,6 +35,20 @@ if [ -n "$missing" ]; then
       { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null; }
   else
     echo "deps: not root, skipping$missing (the tests that need them skip)"
+  fi
+fi
+
+# The Debian 12 tree with systemd that test/packaging boots with
+# systemd-nspawn, built once (about 20 s and 190 MiB) and kept as a tarball.
+ROOTFS_TAR="$CACHE_DIR/systemd-rootfs-bookworm.tar"
+if [ ! -s "$ROOTFS_TAR" ] && [ "$(id -u)" -eq 0 ] && command -v mmdebstrap >/dev/null; then
+  echo "deps: mmdebstrap bookworm (systemd) into $ROOTFS_TAR"
+  if mmdebstrap --quiet --variant=minbase --include=systemd,systemd-sysv,dbus bookworm "$ROOTFS_TAR.tmp" \
+      http://deb.debian.org/debian; then
+    mv "$ROOTFS_TAR.tmp" "$ROOTFS_TAR"
+  else
+    rm -f "$ROOTFS_TAR.tmp"
+    echo "deps: mmdebstrap failed; the packaging test under systemd will say so" >&2
   fi
 fi
 

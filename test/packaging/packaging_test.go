@@ -797,3 +797,237 @@ func must[T any](v T, err error) T {
 	}
 	return v
 }
+
+// booted is a Debian 12 tree running systemd as its PID 1 under
+// systemd-nspawn (its own pid, mount, uts and ipc namespaces, the host's
+// network and kernel).
+type booted struct {
+	t    *testing.T
+	root string // the tree on the host
+	init int    // its systemd, as a host pid
+}
+
+// bootSystemd extracts the cached tree (scripts/deps.sh builds it) and boots
+// it; it is powered off and removed when the test ends.
+func bootSystemd(t *testing.T) *booted {
+	t.Helper()
+	needRoot(t)
+	tar := filepath.Join(envOr("CACHE_DIR", "/var/cache/mgpu"), "systemd-rootfs-bookworm.tar")
+	for _, tool := range []string{"systemd-nspawn", "nsenter", "tar"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			needCI(t, "%s is not installed (scripts/deps.sh)", tool)
+		}
+	}
+	if _, err := os.Stat(tar); err != nil {
+		needCI(t, "no Debian tree with systemd at %s (scripts/deps.sh builds it with mmdebstrap): %v", tar, err)
+	}
+	b := &booted{t: t, root: t.TempDir()}
+	run(t, "tar", "-C", b.root, "-xf", tar)
+	name := fmt.Sprintf("mgpu-pkg-%d", os.Getpid())
+	var log bytes.Buffer
+	nspawn := exec.Command("systemd-nspawn", "--quiet", "-D", b.root, "--boot", "--register=no", "--keep-unit", "-M", name)
+	nspawn.Stdout, nspawn.Stderr = &log, &log
+	if err := nspawn.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { _ = nspawn.Wait(); close(exited) }()
+	t.Cleanup(func() {
+		// SIGTERM asks nspawn for an orderly shutdown of the booted system.
+		_ = nspawn.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-exited:
+		case <-time.After(30 * time.Second):
+			t.Errorf("systemd-nspawn did not shut the tree down in 30 s; killing it\n%s", log.String())
+			if b.init > 0 {
+				_ = syscall.Kill(b.init, syscall.SIGKILL)
+			}
+			_ = nspawn.Process.Kill()
+			<-exited
+		}
+	})
+	// The tree's systemd is nspawn's child; wait until it has booted.
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		if b.init == 0 {
+			if kids, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", nspawn.Process.Pid, nspawn.Process.Pid)); err == nil {
+				if f := strings.Fields(string(kids)); len(f) > 0 {
+					b.init, _ = strconv.Atoi(f[0])
+				}
+			}
+		}
+		if b.init > 0 {
+			out, _ := b.exec("systemctl", "is-system-running")
+			if s := strings.TrimSpace(out); s == "running" || s == "degraded" {
+				break
+			}
+		}
+		select {
+		case <-exited:
+			t.Fatalf("systemd-nspawn exited while booting:\n%s", log.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the tree did not boot in 60 s:\n%s", log.String())
+		}
+		time.Sleep(100 * time.Millisecond) // boot poll, bounded by the deadline
+	}
+	return b
+}
+
+func envOr(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
+}
+
+// needCI skips, or fails where CI must provide what is missing.
+func needCI(t *testing.T, format string, args ...any) {
+	t.Helper()
+	if os.Getenv("CI") != "" {
+		t.Fatalf("CI must provide this: "+format, args...)
+	}
+	t.Skipf(format, args...)
+}
+
+// exec runs a command in the booted tree (all its namespaces).
+func (b *booted) exec(args ...string) (string, error) {
+	out, err := exec.Command("nsenter", append([]string{"-t", strconv.Itoa(b.init), "-a"}, args...)...).CombinedOutput()
+	return string(out), err
+}
+
+func (b *booted) must(args ...string) string {
+	b.t.Helper()
+	out, err := b.exec(args...)
+	if err != nil {
+		b.t.Fatalf("%s (in the booted tree): %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return out
+}
+
+// mainPID is a unit's main pid in the tree (0: not running).
+func (b *booted) mainPID(unit string) int {
+	b.t.Helper()
+	out := b.must("systemctl", "show", "-p", "MainPID", "--value", unit)
+	pid, err := strconv.Atoi(strings.TrimSpace(out))
+	if err != nil {
+		b.t.Fatalf("systemctl show %s: %q", unit, out)
+	}
+	return pid
+}
+
+// TestDebUpgradeUnderSystemd installs the .deb in a booted Debian 12 with a
+// real systemd (systemd-nspawn): the preset enables the units, the
+// maintainer scripts start one enforcer per GPU under the hardened unit, a
+// process-tree instance is made with `mgpu-cli run`; upgrading to the next
+// version restarts the enforcer with the new binary, and it restores the
+// instance; removing the package stops the units and leaves the
+// configuration.
+func TestDebUpgradeUnderSystemd(t *testing.T) {
+	needTools(t, "dpkg-deb")
+	b := bootSystemd(t)
+	dist := packages(t)
+	for _, v := range []string{v1, v2} {
+		data, err := os.ReadFile(debFile(dist, v))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(b.root, "root", filepath.Base(debFile(dist, v))), data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A simulated one-GPU node, configured before the install.
+	cfg := "# the packaging test's node\nversion = 1\nbackend = \"sim\"\n\n[[sim.gpu]]\nname = \"Simulated-GPU-16GB\"\nmemory_mib = 16384\n"
+	if err := os.MkdirAll(filepath.Join(b.root, "etc", "mgpu"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(b.root, "etc", "mgpu", "config.toml"), []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	// 1. Install v1: the enforcer of GPU 0 runs under systemd.
+	out := b.must("dpkg", "--force-confold", "-i", "/root/"+filepath.Base(debFile(dist, v1)))
+	t.Logf("dpkg -i %s:\n%s", v1, out)
+	var oldPID int
+	if err := pollFor(20*time.Second, func() bool { oldPID = b.mainPID("mgpu-enforcer@0.service"); return oldPID > 0 }); err != nil {
+		st, _ := b.exec("systemctl", "--no-pager", "status", "mgpu-*")
+		t.Fatalf("no mgpu-enforcer@0 running after the install:\n%s", st)
+	}
+	for _, u := range []string{"mgpu-enforcers.service", "mgpu-cdi-refresh.path"} {
+		if s, _ := b.exec("systemctl", "is-enabled", u); strings.TrimSpace(s) != "enabled" {
+			t.Errorf("%s is %q after the install, want enabled", u, strings.TrimSpace(s))
+		}
+	}
+	// /run is the booted system's tmpfs: look from inside.
+	spec := "/var/run/cdi/" + cdi.SpecFileName(config.DefaultCDIKind, cdi.FormatYAML)
+	if _, err := b.exec("test", "-s", spec); err != nil {
+		t.Errorf("no CDI spec %s in the booted system after the install", spec)
+	}
+
+	// 2. An instance: a process tree that lives through the upgrade.
+	b.must("sh", "-c", "setsid mgpu-cli run --device 0 --core 30 --memory 1024 -- sleep 600 >/tmp/run.log 2>&1 </dev/null &")
+	var before string
+	if err := pollFor(10*time.Second, func() bool {
+		before, _ = b.exec("mgpu-cli", "instance", "list")
+		return strings.Contains(before, "mgpu0inst")
+	}); err != nil {
+		log, _ := b.exec("cat", "/tmp/run.log")
+		t.Fatalf("no instance after mgpu-cli run:\n%s\n%s", before, log)
+	}
+	name := strings.Fields(before[strings.Index(before, "mgpu0inst"):])[0]
+
+	// 3. Upgrade to v2 with the enforcer running.
+	out = b.must("dpkg", "--force-confold", "-i", "/root/"+filepath.Base(debFile(dist, v2)))
+	t.Logf("dpkg -i %s:\n%s", v2, out)
+	var newPID int
+	if err := pollFor(20*time.Second, func() bool {
+		newPID = b.mainPID("mgpu-enforcer@0.service")
+		return newPID > 0 && newPID != oldPID
+	}); err != nil {
+		t.Fatalf("the enforcer was not restarted by the upgrade (main pid %d before, %d after)", oldPID, newPID)
+	}
+	if v := b.must("mgpu-cli", "version"); !strings.Contains(v, v2) {
+		t.Errorf("after the upgrade: %q, want %s", v, v2)
+	}
+	if exe := b.must("readlink", fmt.Sprintf("/proc/%d/exe", newPID)); strings.TrimSpace(exe) != "/usr/bin/mgpu-enforcer" {
+		t.Errorf("the restarted enforcer runs %q, want /usr/bin/mgpu-enforcer", strings.TrimSpace(exe))
+	}
+	var after string
+	if err := pollFor(10*time.Second, func() bool {
+		after, _ = b.exec("mgpu-cli", "instance", "list")
+		return strings.Contains(after, name)
+	}); err != nil {
+		j, _ := b.exec("journalctl", "--no-pager", "-u", "mgpu-enforcer@0")
+		t.Fatalf("the upgrade lost instance %s:\n%s\njournal:\n%s", name, after, j)
+	}
+	t.Logf("upgrade %s -> %s: enforcer pid %d -> %d; instances:\n%s", v1, v2, oldPID, newPID, after)
+	if got, _ := os.ReadFile(filepath.Join(b.root, "etc", "mgpu", "config.toml")); string(got) != cfg {
+		t.Errorf("/etc/mgpu/config.toml after the upgrade: %q, want the node's", got)
+	}
+
+	// 4. Remove: the enforcer stops, the units are disabled, the
+	// configuration stays.
+	b.must("dpkg", "-r", "mgpu")
+	if s, _ := b.exec("systemctl", "is-active", "mgpu-enforcer@0.service"); strings.TrimSpace(s) == "active" {
+		t.Errorf("mgpu-enforcer@0 still active after dpkg -r")
+	}
+	if _, err := b.exec("test", "-e", spec); err == nil {
+		t.Errorf("the CDI spec %s is still there after dpkg -r", spec)
+	}
+	if got, _ := os.ReadFile(filepath.Join(b.root, "etc", "mgpu", "config.toml")); string(got) != cfg {
+		t.Errorf("/etc/mgpu/config.toml after dpkg -r: %q, want the node's", got)
+	}
+}
+
+// pollFor polls cond every 50 ms until it holds or timeout passes.
+func pollFor(timeout time.Duration, cond func() bool) error {
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("not within %v", timeout)
+		}
+		time.Sleep(50 * time.Millisecond) // poll interval, bounded by the deadline
+	}
+	return nil
+}
