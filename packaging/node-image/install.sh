@@ -30,13 +30,19 @@ done
 
 say() { echo "mgpu install: $*"; }
 
-# 1. The package.
+# 1. The package. Never prompt: an image may carry its own
+# /etc/mgpu/config.toml already, which is kept (apt: --force-confold;
+# rpm's %config(noreplace) keeps it and writes the packaged one as .rpmnew).
+apt_install() {
+	DEBIAN_FRONTEND=noninteractive apt-get install -y \
+		-o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold "$@"
+}
 case $pkg in
-*.deb) say "installing $pkg"; apt-get install -y "$(realpath "$pkg")" ;;
+*.deb) say "installing $pkg"; apt_install "$(realpath "$pkg")" ;;
 *.rpm) say "installing $pkg"; dnf install -y "$(realpath "$pkg")" ;;
 '')
 	if command -v apt-get >/dev/null 2>&1; then
-		apt-get install -y mgpu
+		apt_install mgpu
 	elif command -v dnf >/dev/null 2>&1; then
 		dnf install -y mgpu
 	else

@@ -807,13 +807,13 @@ type booted struct {
 	init int    // its systemd, as a host pid
 }
 
-// bootSystemd extracts the cached tree (scripts/deps.sh builds it) and boots
-// it; it is powered off and removed when the test ends.
-func bootSystemd(t *testing.T) *booted {
+// newTree extracts the cached Debian 12 tree with systemd (scripts/deps.sh
+// builds it); boot starts it.
+func newTree(t *testing.T) *booted {
 	t.Helper()
 	needRoot(t)
 	tar := filepath.Join(envOr("CACHE_DIR", "/var/cache/mgpu"), "systemd-rootfs-bookworm.tar")
-	for _, tool := range []string{"systemd-nspawn", "nsenter", "tar"} {
+	for _, tool := range []string{"systemd-nspawn", "nsenter", "tar", "chroot"} {
 		if _, err := exec.LookPath(tool); err != nil {
 			needCI(t, "%s is not installed (scripts/deps.sh)", tool)
 		}
@@ -823,6 +823,24 @@ func bootSystemd(t *testing.T) *booted {
 	}
 	b := &booted{t: t, root: t.TempDir()}
 	run(t, "tar", "-C", b.root, "-xf", tar)
+	return b
+}
+
+// chroot runs a command in the tree, not booted (an image build).
+func (b *booted) chroot(args ...string) string {
+	b.t.Helper()
+	out, err := exec.Command("chroot", append([]string{b.root}, args...)...).CombinedOutput()
+	if err != nil {
+		b.t.Fatalf("chroot %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// boot starts the tree's systemd under systemd-nspawn and waits until the
+// system is up; it is powered off when the test ends.
+func (b *booted) boot() {
+	t := b.t
+	t.Helper()
 	name := fmt.Sprintf("mgpu-pkg-%d", os.Getpid())
 	var log bytes.Buffer
 	nspawn := exec.Command("systemd-nspawn", "--quiet", "-D", b.root, "--boot", "--register=no", "--keep-unit", "-M", name)
@@ -872,7 +890,6 @@ func bootSystemd(t *testing.T) *booted {
 		}
 		time.Sleep(100 * time.Millisecond) // boot poll, bounded by the deadline
 	}
-	return b
 }
 
 func envOr(k, def string) string {
@@ -917,16 +934,19 @@ func (b *booted) mainPID(unit string) int {
 	return pid
 }
 
-// TestDebUpgradeUnderSystemd installs the .deb in a booted Debian 12 with a
-// real systemd (systemd-nspawn): the preset enables the units, the
-// maintainer scripts start one enforcer per GPU under the hardened unit, a
-// process-tree instance is made with `mgpu-cli run`; upgrading to the next
-// version restarts the enforcer with the new binary, and it restores the
+// TestNodeImageUnderSystemd follows a node image's life with a real
+// systemd: packaging/node-image/install.sh installs v1 into a Debian 12
+// tree that is not running (an image build, chroot) and whose
+// /etc/mgpu/config.toml the image already carries (kept, no prompt); the
+// tree then boots (systemd-nspawn) and the units start the hardened
+// enforcer of its simulated GPU and write the CDI spec on their own; a
+// process-tree instance is made with `mgpu-cli run`; upgrading to v2 with
+// dpkg restarts the enforcer with the new binary, which restores the
 // instance; removing the package stops the units and leaves the
 // configuration.
-func TestDebUpgradeUnderSystemd(t *testing.T) {
+func TestNodeImageUnderSystemd(t *testing.T) {
 	needTools(t, "dpkg-deb")
-	b := bootSystemd(t)
+	b := newTree(t)
 	dist := packages(t)
 	for _, v := range []string{v1, v2} {
 		data, err := os.ReadFile(debFile(dist, v))
@@ -937,7 +957,14 @@ func TestDebUpgradeUnderSystemd(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	// A simulated one-GPU node, configured before the install.
+	script, err := os.ReadFile(filepath.Join(repoRoot(t), "packaging", "node-image", "install.sh"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(b.root, "root", "install.sh"), script, 0o755); err != nil { //nolint:gosec // a script
+		t.Fatal(err)
+	}
+	// The image's own configuration: a simulated one-GPU node.
 	cfg := "# the packaging test's node\nversion = 1\nbackend = \"sim\"\n\n[[sim.gpu]]\nname = \"Simulated-GPU-16GB\"\nmemory_mib = 16384\n"
 	if err := os.MkdirAll(filepath.Join(b.root, "etc", "mgpu"), 0o755); err != nil {
 		t.Fatal(err)
@@ -946,13 +973,25 @@ func TestDebUpgradeUnderSystemd(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// 1. Install v1: the enforcer of GPU 0 runs under systemd.
-	out := b.must("dpkg", "--force-confold", "-i", "/root/"+filepath.Base(debFile(dist, v1)))
-	t.Logf("dpkg -i %s:\n%s", v1, out)
+	// 1. The image build: install.sh in the tree, systemd not running.
+	out := b.chroot("/root/install.sh", "--package", "/root/"+filepath.Base(debFile(dist, v1)), "--runtime", "containerd")
+	t.Logf("install.sh (image build):\n%s", out)
+	if !strings.Contains(out, "the units start on the node's first boot") {
+		t.Errorf("install.sh in an image build does not say the units start at first boot")
+	}
+	if !exists(filepath.Join(b.root, "etc", "containerd", "conf.d", "mgpu.toml")) {
+		t.Errorf("install.sh --runtime containerd wrote no /etc/containerd/conf.d/mgpu.toml")
+	}
+	if got, _ := os.ReadFile(filepath.Join(b.root, "etc", "mgpu", "config.toml")); string(got) != cfg {
+		t.Errorf("/etc/mgpu/config.toml after install.sh: %q, want the image's", got)
+	}
+
+	// 2. First boot: the units start the enforcer and write the spec.
+	b.boot()
 	var oldPID int
 	if err := pollFor(20*time.Second, func() bool { oldPID = b.mainPID("mgpu-enforcer@0.service"); return oldPID > 0 }); err != nil {
 		st, _ := b.exec("systemctl", "--no-pager", "status", "mgpu-*")
-		t.Fatalf("no mgpu-enforcer@0 running after the install:\n%s", st)
+		t.Fatalf("no mgpu-enforcer@0 running after the first boot:\n%s", st)
 	}
 	for _, u := range []string{"mgpu-enforcers.service", "mgpu-cdi-refresh.path"} {
 		if s, _ := b.exec("systemctl", "is-enabled", u); strings.TrimSpace(s) != "enabled" {
@@ -961,11 +1000,14 @@ func TestDebUpgradeUnderSystemd(t *testing.T) {
 	}
 	// /run is the booted system's tmpfs: look from inside.
 	spec := "/var/run/cdi/" + cdi.SpecFileName(config.DefaultCDIKind, cdi.FormatYAML)
-	if _, err := b.exec("test", "-s", spec); err != nil {
-		t.Errorf("no CDI spec %s in the booted system after the install", spec)
+	if err := pollFor(10*time.Second, func() bool { _, err := b.exec("test", "-s", spec); return err == nil }); err != nil {
+		t.Errorf("no CDI spec %s in the booted system", spec)
+	}
+	if info, err := b.exec("mgpu-cli", "device", "info", "-a"); err != nil || !strings.Contains(info, "compute_policy") {
+		t.Errorf("mgpu-cli device info -a on the booted node: %v\n%s", err, info)
 	}
 
-	// 2. An instance: a process tree that lives through the upgrade.
+	// 3. An instance: a process tree that lives through the upgrade.
 	b.must("sh", "-c", "setsid mgpu-cli run --device 0 --core 30 --memory 1024 -- sleep 600 >/tmp/run.log 2>&1 </dev/null &")
 	var before string
 	if err := pollFor(10*time.Second, func() bool {
@@ -977,7 +1019,7 @@ func TestDebUpgradeUnderSystemd(t *testing.T) {
 	}
 	name := strings.Fields(before[strings.Index(before, "mgpu0inst"):])[0]
 
-	// 3. Upgrade to v2 with the enforcer running.
+	// 4. Upgrade to v2 with dpkg, the enforcer running.
 	out = b.must("dpkg", "--force-confold", "-i", "/root/"+filepath.Base(debFile(dist, v2)))
 	t.Logf("dpkg -i %s:\n%s", v2, out)
 	var newPID int
@@ -1006,7 +1048,7 @@ func TestDebUpgradeUnderSystemd(t *testing.T) {
 		t.Errorf("/etc/mgpu/config.toml after the upgrade: %q, want the node's", got)
 	}
 
-	// 4. Remove: the enforcer stops, the units are disabled, the
+	// 5. Remove: the enforcer stops, the units are disabled, the
 	// configuration stays.
 	b.must("dpkg", "-r", "mgpu")
 	if s, _ := b.exec("systemctl", "is-active", "mgpu-enforcer@0.service"); strings.TrimSpace(s) == "active" {
