@@ -32,7 +32,15 @@ func saturating(api string, kernelUS, depth int, extra ...string) []string {
 // simulated device's per-process busy time.
 func measureShares(t *testing.T, p policy.Policy, loads []load, warm, win time.Duration) []float64 {
 	t.Helper()
-	n := newNode(t, harness.NodeConfig{Policies: map[int]policy.Policy{0: p}})
+	return measureSharesOn(t, harness.NodeConfig{Policies: map[int]policy.Policy{0: p}}, loads, warm, win)
+}
+
+// measureSharesOn is measureShares on a node configured by nc (device 0's
+// policy from nc.Policies).
+func measureSharesOn(t *testing.T, nc harness.NodeConfig, loads []load, warm, win time.Duration) []float64 {
+	t.Helper()
+	p := nc.Policies[0]
+	n := newNode(t, nc)
 	secs := (warm + win + 5*time.Second).Seconds()
 	procs := make([]harness.Proc, len(loads))
 	for i, l := range loads {
@@ -118,6 +126,18 @@ func TestFixedShare(t *testing.T) {
 				within(t, fmt.Sprintf("instance %d (core %d)", i, l.core), shares[i], float64(l.core))
 			}
 		})
+	}
+}
+
+// The ASan/UBSan build of the shim enforces the same shares (the launch
+// path with a shared stream and with two streams of one instance): a
+// sanitizer report ends the workload (exit 99), which fails the window.
+func TestFixedShareASan(t *testing.T) {
+	nc := harness.NodeConfig{Policies: map[int]policy.Policy{0: policy.FixedShare}, ASan: true}
+	loads := []load{{30, saturating("launch", 200, 16, "--streams", "2", "--threads", "2")}, {70, saturating("launch", 100, 64, "--threads", "2")}}
+	shares := measureSharesOn(t, nc, loads, time.Second, window())
+	for i, l := range loads {
+		within(t, fmt.Sprintf("instance %d (core %d, ASan shim)", i, l.core), shares[i], float64(l.core))
 	}
 }
 
