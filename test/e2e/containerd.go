@@ -12,6 +12,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/mgpu-dev/mgpu/test/harness"
 )
 
 // ContainerdBinaries finds containerd, ctr and containerd-shim-runc-v2:
@@ -116,7 +118,7 @@ state = %q
 	err = Poll(20*time.Second, func() error {
 		select {
 		case <-c.exited:
-			return &permanent{fmt.Errorf("containerd exited: %v; log %s:\n%s", c.cmd.ProcessState, c.Log, c.tail())}
+			return harness.Permanent(fmt.Errorf("containerd exited: %v; log %s:\n%s", c.cmd.ProcessState, c.Log, c.tail()))
 		default:
 		}
 		_, err := c.Ctr(context.Background(), 5*time.Second, "version")

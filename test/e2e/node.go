@@ -29,6 +29,7 @@ import (
 
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/test/fakecuda"
+	"github.com/mgpu-dev/mgpu/test/harness"
 )
 
 // NodeOptions describes the simulated node.
@@ -71,10 +72,10 @@ type Node struct {
 	Enforcer   string // mgpu-enforcer (of the snapshot, or the installed one)
 	Ctl        string // fakecuda-ctl of the snapshot
 
-	opts      NodeOptions
-	mu        sync.Mutex
-	enforcers map[int]*exec.Cmd
-	specs     []string
+	opts  NodeOptions
+	mu    sync.Mutex
+	enf   harness.Enforcers
+	specs []string
 }
 
 // NewNode builds the node's files from the build directory
@@ -92,7 +93,7 @@ func NewNode(opts NodeOptions) (n *Node, err error) {
 	if err != nil {
 		return nil, err
 	}
-	n = &Node{Build: build, opts: opts, enforcers: map[int]*exec.Cmd{}}
+	n = &Node{Build: build, opts: opts}
 	// The fixtures always come from the build; mgpu's own files from it
 	// unless an installation is named.
 	fromBuild := []string{"bin/fakecuda-ctl", "bin/mgpu-workload", "fakecuda/libcuda.so.1", "fakecuda/libnvidia-ml.so.1"}
@@ -188,6 +189,8 @@ func NewNode(opts NodeOptions) (n *Node, err error) {
 	if err := os.WriteFile(n.ConfigPath, []byte(b.String()), 0o644); err != nil { //nolint:gosec // a test config
 		return nil, err
 	}
+	env := append(append(os.Environ(), n.FakeEnv()...), "LD_LIBRARY_PATH="+filepath.Join(n.Build, "fakecuda"))
+	n.enf = harness.Enforcers{Bin: n.Enforcer, Config: n.ConfigPath, Env: func() []string { return env }, Log: opts.Log, Client: n.Client}
 	return n, nil
 }
 
@@ -245,61 +248,11 @@ func (n *Node) GenerateSpec(hooks bool) (string, error) {
 
 // StartEnforcer starts mgpu-enforcer for device dev and waits until its
 // control socket answers.
-func (n *Node) StartEnforcer(dev int) error {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if c, ok := n.enforcers[dev]; ok && c.ProcessState == nil {
-		return fmt.Errorf("e2e: enforcer %d already runs", dev)
-	}
-	cmd := exec.Command(n.Enforcer, "--device", strconv.Itoa(dev), "--config", n.ConfigPath) //nolint:gosec // the build's or the installed binary
-	cmd.Env = append(os.Environ(), n.FakeEnv()...)
-	cmd.Env = append(cmd.Env, "LD_LIBRARY_PATH="+filepath.Join(n.Build, "fakecuda"))
-	w := n.opts.Log
-	if w == nil {
-		w = io.Discard
-	}
-	cmd.Stdout, cmd.Stderr = w, w
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		return err
-	}
-	n.enforcers[dev] = cmd
-	exited := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(exited) }()
-	client := n.Client(dev)
-	return Poll(10*time.Second, func() error {
-		select {
-		case <-exited:
-			return &permanent{fmt.Errorf("e2e: mgpu-enforcer --device %d exited: %v", dev, cmd.ProcessState)}
-		default:
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		_, err := client.List(ctx)
-		return err
-	})
-}
+func (n *Node) StartEnforcer(dev int) error { return n.enf.Start(dev) }
 
 // KillEnforcer sends sig to device dev's enforcer and waits until it is
 // gone.
-func (n *Node) KillEnforcer(dev int, sig syscall.Signal) error {
-	n.mu.Lock()
-	cmd := n.enforcers[dev]
-	delete(n.enforcers, dev)
-	n.mu.Unlock()
-	if cmd == nil {
-		return fmt.Errorf("e2e: no enforcer for device %d", dev)
-	}
-	if err := cmd.Process.Signal(sig); err != nil {
-		return err
-	}
-	return Poll(10*time.Second, func() error {
-		if cmd.Process.Signal(syscall.Signal(0)) == nil {
-			return errors.New("enforcer still runs")
-		}
-		return nil
-	})
-}
+func (n *Node) KillEnforcer(dev int, sig syscall.Signal) error { return n.enf.Stop(dev, sig) }
 
 // Client is a control-API client of device dev.
 func (n *Node) Client(dev int) *api.Client {
@@ -328,23 +281,10 @@ func (n *Node) Stat() (fakecuda.State, error) { return fakecuda.StatWith(n.Ctl, 
 // Containers must be gone first (Engine.Cleanup).
 func (n *Node) Close() error {
 	n.mu.Lock()
-	enf := n.enforcers
-	n.enforcers = map[int]*exec.Cmd{}
 	specs := n.specs
 	n.specs = nil
 	n.mu.Unlock()
-	for _, c := range enf {
-		_ = c.Process.Signal(syscall.SIGTERM)
-	}
-	for _, c := range enf {
-		_ = Poll(5*time.Second, func() error {
-			if c.Process.Signal(syscall.Signal(0)) == nil {
-				return errors.New("running")
-			}
-			return nil
-		})
-		_ = c.Process.Kill()
-	}
+	n.enf.Close()
 	var errs []error
 	for _, f := range specs {
 		if err := os.Remove(f); err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -384,30 +324,9 @@ func PIDNamespace(pid int) (uint64, error) {
 	return st.Ino, nil
 }
 
-// permanent stops Poll at once.
-type permanent struct{ error }
-
-func (p *permanent) Unwrap() error { return p.error }
-
-// Poll calls cond every 10 ms until it returns nil, returns an error that
-// wraps *permanent, or timeout passes.
-func Poll(timeout time.Duration, cond func() error) error {
-	deadline := time.Now().Add(timeout)
-	for {
-		err := cond()
-		if err == nil {
-			return nil
-		}
-		var p *permanent
-		if errors.As(err, &p) {
-			return p.error
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("gave up after %v: %w", timeout, err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
+// Poll polls cond every 10 ms until it returns nil, returns an error made
+// by harness.Permanent, or timeout passes (harness.WaitFor).
+func Poll(timeout time.Duration, cond func() error) error { return harness.WaitFor(timeout, cond) }
 
 // run runs name with args (stdout and stderr together) under a timeout.
 func run(ctx context.Context, timeout time.Duration, env []string, name string, args ...string) (string, error) {

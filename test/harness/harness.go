@@ -8,8 +8,6 @@ package harness
 
 import (
 	"bytes"
-	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -58,11 +56,11 @@ type Node struct {
 	Shim       string // libmgpu-shim.so
 	libasan    string // preloaded before an ASan build of the shim
 
-	nc        NodeConfig
-	mu        sync.Mutex
-	enforcers map[int]*exec.Cmd
-	jobs      []*Job
-	shells    []*Shell
+	nc     NodeConfig
+	mu     sync.Mutex
+	enf    Enforcers
+	jobs   []*Job
+	shells []*Shell
 }
 
 // NewNode writes the configuration of a simulated node under a new
@@ -79,13 +77,12 @@ func NewNode(nc NodeConfig) (*Node, error) {
 		return nil, err
 	}
 	n := &Node{
-		Build:     build,
-		Paths:     fakecuda.PathsIn(build),
-		CLI:       filepath.Join(build, "bin", "mgpu-cli"),
-		Enforcer:  filepath.Join(build, "bin", "mgpu-enforcer"),
-		Shim:      filepath.Join(build, "lib", "libmgpu-shim.so"),
-		nc:        nc,
-		enforcers: map[int]*exec.Cmd{},
+		Build:    build,
+		Paths:    fakecuda.PathsIn(build),
+		CLI:      filepath.Join(build, "bin", "mgpu-cli"),
+		Enforcer: filepath.Join(build, "bin", "mgpu-enforcer"),
+		Shim:     filepath.Join(build, "lib", "libmgpu-shim.so"),
+		nc:       nc,
 	}
 	if nc.ASan {
 		n.Shim = filepath.Join(build, "lib", "asan", "libmgpu-shim.so")
@@ -132,6 +129,7 @@ func NewNode(nc NodeConfig) (*Node, error) {
 	if err := os.WriteFile(n.ConfigPath, []byte(b.String()), 0o644); err != nil { //nolint:gosec // a test config
 		return nil, err
 	}
+	n.enf = Enforcers{Bin: n.Enforcer, Config: n.ConfigPath, Env: func() []string { return n.Env() }, Log: n.logWriter(), Client: n.Client}
 	return n, nil
 }
 
@@ -148,59 +146,13 @@ func (n *Node) Env(extra ...string) []string {
 
 // StartEnforcer starts mgpu-enforcer for device dev and waits until its
 // control socket answers.
-func (n *Node) StartEnforcer(dev int) error {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if c, ok := n.enforcers[dev]; ok && c.ProcessState == nil {
-		return fmt.Errorf("harness: enforcer %d already runs", dev)
-	}
-	cmd := exec.Command(n.Enforcer, "--device", strconv.Itoa(dev), "--config", n.ConfigPath)
-	cmd.Env = n.Env()
-	cmd.Stdout, cmd.Stderr = n.logWriter(), n.logWriter()
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		return err
-	}
-	n.enforcers[dev] = cmd
-	go func() { _ = cmd.Wait() }()
-	client := api.NewClient(n.ControlSocket(dev))
-	return poll(10*time.Second, func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		_, err := client.List(ctx)
-		return err
-	})
-}
+func (n *Node) StartEnforcer(dev int) error { return n.enf.Start(dev) }
 
 // StopEnforcer sends sig to device dev's enforcer and waits for it to exit.
-func (n *Node) StopEnforcer(dev int, sig syscall.Signal) error {
-	n.mu.Lock()
-	cmd := n.enforcers[dev]
-	delete(n.enforcers, dev)
-	n.mu.Unlock()
-	if cmd == nil {
-		return fmt.Errorf("harness: no enforcer for device %d", dev)
-	}
-	if err := cmd.Process.Signal(sig); err != nil {
-		return err
-	}
-	return poll(10*time.Second, func() error {
-		if err := cmd.Process.Signal(syscall.Signal(0)); err == nil {
-			return errors.New("still running")
-		}
-		return nil
-	})
-}
+func (n *Node) StopEnforcer(dev int, sig syscall.Signal) error { return n.enf.Stop(dev, sig) }
 
 // EnforcerPID returns the pid of device dev's enforcer (0 if none runs).
-func (n *Node) EnforcerPID(dev int) int {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if c := n.enforcers[dev]; c != nil && c.Process != nil {
-		return c.Process.Pid
-	}
-	return 0
-}
+func (n *Node) EnforcerPID(dev int) int { return n.enf.PID(dev) }
 
 // ControlSocket is device dev's control socket.
 func (n *Node) ControlSocket(dev int) string {
@@ -314,8 +266,6 @@ func (n *Node) Close() error {
 	n.mu.Lock()
 	jobs := n.jobs
 	shells := n.shells
-	enf := n.enforcers
-	n.enforcers = map[int]*exec.Cmd{}
 	n.mu.Unlock()
 	for _, j := range jobs {
 		j.Kill()
@@ -324,18 +274,7 @@ func (n *Node) Close() error {
 	for _, s := range shells {
 		s.Close()
 	}
-	for _, c := range enf {
-		_ = c.Process.Signal(syscall.SIGTERM)
-	}
-	for _, c := range enf {
-		_ = poll(5*time.Second, func() error {
-			if c.Process.Signal(syscall.Signal(0)) == nil {
-				return errors.New("running")
-			}
-			return nil
-		})
-		_ = c.Process.Kill()
-	}
+	n.enf.Close()
 	return os.RemoveAll(n.Dir)
 }
 
@@ -457,23 +396,6 @@ func ParentOf(pid int) (int, bool) {
 	}
 	pp, err := strconv.Atoi(f[1])
 	return pp, err == nil
-}
-
-// WaitFor polls cond every 10 ms until it returns nil or timeout passes.
-func WaitFor(timeout time.Duration, cond func() error) error { return poll(timeout, cond) }
-
-func poll(timeout time.Duration, cond func() error) error {
-	deadline := time.Now().Add(timeout)
-	for {
-		err := cond()
-		if err == nil {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("harness: gave up after %v: %w", timeout, err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }
 
 // SyncBuffer is a bytes.Buffer safe for concurrent writers and readers

@@ -133,7 +133,7 @@ func (p Proc) Alive() bool {
 
 // WaitExit waits until p has exited.
 func (p Proc) WaitExit(timeout time.Duration) error {
-	return poll(timeout, func() error {
+	return WaitFor(timeout, func() error {
 		if p.Alive() {
 			return fmt.Errorf("pid %d still runs", p.PID)
 		}
@@ -143,7 +143,7 @@ func (p Proc) WaitExit(timeout time.Duration) error {
 
 // WaitOutput waits until p's output contains s.
 func (p Proc) WaitOutput(s string, timeout time.Duration) error {
-	return poll(timeout, func() error {
+	return WaitFor(timeout, func() error {
 		if out := p.Output(); !strings.Contains(out, s) {
 			return fmt.Errorf("pid %d has not printed %q; output so far: %q", p.PID, s, out)
 		}
