@@ -124,9 +124,11 @@ void fc_exec_account(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_
 /* Releases the device; busy_ns: time held since the last record. */
 void fc_exec_release(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns);
 /* Before the next kernel of one stream: records busy_ns as fc_exec_release
- * does and returns 1 if the caller may keep the device for it (its
- * process's time slice runs, or nobody waits: the slice is renewed);
- * otherwise releases the device and returns 0. */
+ * does and returns 1 if the caller may keep the device for it (nobody
+ * waits: the slice is renewed; only its process's other streams wait and
+ * its turn among them runs: the slice is renewed too; another process waits
+ * and its process's slice runs); otherwise hands the device on and
+ * returns 0. */
 int fc_exec_continue(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns);
 
 /* Device memory accounting: 0, or -1 when over the device total. */
