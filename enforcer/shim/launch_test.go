@@ -173,8 +173,10 @@ func TestQueueBound(t *testing.T) {
 	over := time.Duration(b1-b0) - read
 	t.Logf("max queued_ns %v; after revocation: %v of GPU work (bound %v), launches %d -> %d", time.Duration(maxQ),
 		over, time.Duration(bound), l0, p.Launches.Load())
-	// the bound plus the kernel running at the revocation and launches that had passed the grant check
-	if over > bound+3e6 {
+	// The bound plus the kernel running at the revocation (and jitter): a
+	// launch that waits for room in the queue when the grant goes is taken
+	// back and waits for the next grant.
+	if over > bound+2e6 {
 		t.Fatalf("%v of GPU work ran after the grant was revoked (bound %v)", over, time.Duration(bound))
 	}
 	s.setGrant(1)

@@ -492,8 +492,13 @@ static void set_check(struct sstate *ss, uint64_t n)
     atomic_store_explicit(&ss->check_at, next, memory_order_relaxed);
 }
 
-/* Before launch number n: bound the queue, start a batch. */
-static void pre_launch(struct sstate *ss, uint64_t n)
+/* Before launch number n: bound the queue, start a batch.  With gated set,
+ * a grant revoked while the launch waited for room in the queue stops it:
+ * pre_launch then starts nothing, leaves the stream's next launch on the
+ * slow path and returns 1 (the caller takes the launch back and waits for
+ * the grant), so that the work queued after a revoke is what was queued
+ * before it. */
+static int pre_launch(struct sstate *ss, uint64_t n, int gated)
 {
     pthread_mutex_lock(&mgpu_acct_mu);
     if (ss->gen != mgpu_generation) {
@@ -513,6 +518,11 @@ static void pre_launch(struct sstate *ss, uint64_t n)
         if (ss->gen != mgpu_generation)
             break;
         poll_ss(ss, 1);
+        if (gated && atomic_load_explicit(&ss->dev->region->grant, memory_order_acquire) == 0) {
+            atomic_store_explicit(&ss->check_at, n, memory_order_relaxed);
+            pthread_mutex_unlock(&mgpu_acct_mu);
+            return 1;
+        }
     }
     /* Start a batch.  Launches after the newest mark that no batch covers
      * (another thread's flush marked past an open batch) join this one. */
@@ -536,6 +546,7 @@ static void pre_launch(struct sstate *ss, uint64_t n)
     }
     set_check(ss, n);
     pthread_mutex_unlock(&mgpu_acct_mu);
+    return 0;
 }
 
 /* After launch number n (when pre_launch ran for it). */
@@ -711,6 +722,38 @@ static __attribute__((noinline)) CUresult gate_resolve(struct mgpu_dev **pd)
     return *pd ? CUDA_SUCCESS : err;
 }
 
+/* Launch number n waited for room in the queue while the grant was revoked
+ * (pre_launch said so): take it back, wait for the next grant and number
+ * the launch again.  Only if another thread launched on the stream
+ * meanwhile (it became shared) must it go now. */
+static __attribute__((noinline)) void gate_retry(struct gate *g, struct mgpu_dev *d, struct sstate *ss)
+{
+    for (;;) {
+        uint64_t exp = g->n;
+        if (!atomic_compare_exchange_strong(&ss->submitted, &exp, g->n - 1)) {
+            pre_launch(ss, g->n, 0);
+            return;
+        }
+        atomic_fetch_sub_explicit(&d->slot->launches, 1, memory_order_relaxed);
+        if (g->locked)
+            pthread_mutex_unlock(&ss->launch_mu);
+        g->locked = 0;
+        g->slow = 0;
+        wait_grant(d);
+        atomic_fetch_add_explicit(&d->slot->launches, 1, memory_order_relaxed);
+        if (atomic_load_explicit(&ss->shared, memory_order_relaxed)) {
+            pthread_mutex_lock(&ss->launch_mu);
+            g->locked = 1;
+        }
+        g->n = atomic_fetch_add_explicit(&ss->submitted, 1, memory_order_relaxed) + 1;
+        if (g->n < atomic_load_explicit(&ss->check_at, memory_order_relaxed))
+            return;
+        g->slow = 1;
+        if (!pre_launch(ss, g->n, 1))
+            return;
+    }
+}
+
 static inline CUresult gate_enter(struct gate *g, CUstream h, int ptsz)
 {
     struct mgpu_dev *d = atomic_load_explicit(&mgpu_fast_dev, memory_order_relaxed);
@@ -746,7 +789,8 @@ static inline CUresult gate_enter(struct gate *g, CUstream h, int ptsz)
     g->n = n;
     if (MGPU_UNLIKELY(n >= atomic_load_explicit(&ss->check_at, memory_order_relaxed))) {
         g->slow = 1;
-        pre_launch(ss, n);
+        if (MGPU_UNLIKELY(pre_launch(ss, n, 1)))
+            gate_retry(g, d, ss);
     }
     return CUDA_SUCCESS;
 }
