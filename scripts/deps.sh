@@ -41,13 +41,15 @@ fi
 # The Debian 12 tree with systemd that test/packaging boots with
 # systemd-nspawn, built once (about 20 s and 190 MiB) and kept as a tarball.
 ROOTFS_TAR="$CACHE_DIR/systemd-rootfs-bookworm.tar"
-if [ ! -s "$ROOTFS_TAR" ] && [ "$(id -u)" -eq 0 ] && command -v mmdebstrap >/dev/null; then
+if [ ! -f "$ROOTFS_TAR" ] && [ "$(id -u)" -eq 0 ] && command -v mmdebstrap >/dev/null; then
   echo "deps: mmdebstrap bookworm (systemd) into $ROOTFS_TAR"
-  if mmdebstrap --quiet --variant=minbase --include=systemd,systemd-sysv,dbus bookworm "$ROOTFS_TAR.tmp" \
-      http://deb.debian.org/debian; then
-    mv "$ROOTFS_TAR.tmp" "$ROOTFS_TAR"
+  tmp="$CACHE_DIR/.systemd-rootfs-bookworm.partial.tar" # mmdebstrap: the format from the name
+  rm -rf "$tmp"
+  if mmdebstrap --quiet --format=tar --variant=minbase --include=systemd,systemd-sysv,dbus bookworm "$tmp" \
+      http://deb.debian.org/debian && [ -f "$tmp" ]; then
+    mv "$tmp" "$ROOTFS_TAR"
   else
-    rm -f "$ROOTFS_TAR.tmp"
+    rm -rf "$tmp"
     echo "deps: mmdebstrap failed; the packaging test under systemd will say so" >&2
   fi
 fi

@@ -818,8 +818,8 @@ func newTree(t *testing.T) *booted {
 			needCI(t, "%s is not installed (scripts/deps.sh)", tool)
 		}
 	}
-	if _, err := os.Stat(tar); err != nil {
-		needCI(t, "no Debian tree with systemd at %s (scripts/deps.sh builds it with mmdebstrap): %v", tar, err)
+	if st, err := os.Stat(tar); err != nil || !st.Mode().IsRegular() {
+		needCI(t, "no Debian tree with systemd at %s (a tarball: scripts/deps.sh builds it with mmdebstrap): %v", tar, err)
 	}
 	b := &booted{t: t, root: t.TempDir()}
 	run(t, "tar", "-C", b.root, "-xf", tar)
