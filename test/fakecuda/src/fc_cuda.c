@@ -839,7 +839,8 @@ static void push_op(struct CUstream_st *s, uint32_t kind, uint64_t arg, void *pt
     pthread_mutex_unlock(&s->pmu);
 }
 
-static void event_complete(struct CUevent_st *e, uint64_t gen);
+static void event_mark(struct CUevent_st *e, uint64_t gen);
+static void event_wake(struct CUevent_st *e);
 static void event_unref(struct CUevent_st *e);
 static void free_linear(CUdeviceptr p);
 
@@ -928,11 +929,17 @@ static void *worker_main(void *p)
          * synchronisation must not die owning the device). */
         if (h + 1 == atomic_load(&s->tail))
             held_release(&hd);
+        /* An event is complete before the head moves past it, so a stream
+         * synchronisation that returns has every event before it complete
+         * (a program that frees on a stream and synchronises it sees the
+         * free done); its waiters are woken after, so that whoever an event
+         * wakes sees the stream done up to it (cuStreamQuery after
+         * cuEventSynchronize). */
+        if (op.kind == OP_EVENT)
+            event_mark(op.ptr, op.arg);
         atomic_store(&s->head, h + 1);
         if (op.kind == OP_EVENT) {
-            /* after the head moved: whoever an event wakes sees the stream
-             * done up to it (cuStreamQuery after cuEventSynchronize) */
-            event_complete(op.ptr, op.arg);
+            event_wake(op.ptr);
             event_unref(op.ptr);
         }
         if (atomic_load(&s->dwaiters)) {
@@ -1533,7 +1540,8 @@ static void event_unref(struct CUevent_st *e)
     }
 }
 
-static void event_complete(struct CUevent_st *e, uint64_t gen)
+/* The stream reached record gen of e: stamp it and mark it complete. */
+static void event_mark(struct CUevent_st *e, uint64_t gen)
 {
     uint64_t now = fc_now_ns();
     pthread_mutex_lock(&e->mu);
@@ -1542,6 +1550,11 @@ static void event_complete(struct CUevent_st *e, uint64_t gen)
         atomic_store(&e->done, gen);
     }
     pthread_mutex_unlock(&e->mu);
+}
+
+/* Wakes the threads waiting for e. */
+static void event_wake(struct CUevent_st *e)
+{
     if (atomic_load(&e->ewaiters)) {
         atomic_fetch_add(&e->eseq, 1);
         futex_private(&e->eseq, FUTEX_WAKE, INT_MAX);
