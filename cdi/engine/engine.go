@@ -53,7 +53,7 @@ func (p Plan) Apply() error {
 			continue
 		}
 		if err := os.MkdirAll(filepath.Dir(c.Path), 0o755); err != nil { //nolint:gosec // engine configuration directories
-			return fmt.Errorf("write %s: %w", c.Path, unwrapPath(err))
+			return fmt.Errorf("write %s: %w", c.Path, fsutil.UnwrapPath(err))
 		}
 		if err := fsutil.WriteFileAtomic(c.Path, c.New, c.Mode); err != nil {
 			return err
@@ -71,30 +71,16 @@ func readFile(path string) ([]byte, fs.FileMode, error) {
 		return nil, 0o644, nil
 	}
 	if err != nil {
-		return nil, 0, fmt.Errorf("read %s: %w", path, unwrapPath(err))
+		return nil, 0, fmt.Errorf("read %s: %w", path, fsutil.UnwrapPath(err))
 	}
 	st, err := os.Stat(path)
 	if err != nil {
-		return nil, 0, fmt.Errorf("read %s: %w", path, unwrapPath(err))
+		return nil, 0, fmt.Errorf("read %s: %w", path, fsutil.UnwrapPath(err))
 	}
 	if data == nil {
 		data = []byte{}
 	}
 	return data, st.Mode().Perm(), nil
-}
-
-// unwrapPath drops the path of a *PathError or *LinkError: callers name
-// the file the operator knows, not a temporary one.
-func unwrapPath(err error) error {
-	var pe *fs.PathError
-	var le *os.LinkError
-	switch {
-	case errors.As(err, &pe):
-		return pe.Err
-	case errors.As(err, &le):
-		return le.Err
-	}
-	return err
 }
 
 // lineOf returns the 1-based line of byte offset off in data.

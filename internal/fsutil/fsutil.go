@@ -18,7 +18,7 @@ func WriteFileAtomic(path string, data []byte, mode os.FileMode) error {
 	dir := filepath.Dir(path)
 	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp*")
 	if err != nil {
-		return fmt.Errorf("write %s: %w", path, unwrapPath(err))
+		return fmt.Errorf("write %s: %w", path, UnwrapPath(err))
 	}
 	tmp := f.Name()
 	defer func() { _ = os.Remove(tmp) }() // fails harmlessly once renamed
@@ -39,7 +39,7 @@ func WriteFileAtomic(path string, data []byte, mode os.FileMode) error {
 		err = syncDir(dir)
 	}
 	if err != nil {
-		return fmt.Errorf("write %s: %w", path, unwrapPath(err))
+		return fmt.Errorf("write %s: %w", path, UnwrapPath(err))
 	}
 	return nil
 }
@@ -53,8 +53,9 @@ func syncDir(dir string) error {
 	return d.Sync()
 }
 
-// unwrapPath drops the (temporary) path of a *PathError or *LinkError.
-func unwrapPath(err error) error {
+// UnwrapPath drops the path of a *PathError or *LinkError: callers name the
+// file the operator knows, not a temporary one.
+func UnwrapPath(err error) error {
 	var pe *os.PathError
 	var le *os.LinkError
 	switch {
