@@ -578,6 +578,21 @@ struct mgpu_dev *mgpu_current_dev(CUresult *err)
     return d;
 }
 
+CUresult mgpu_resolve_dev(int ordinal, struct mgpu_dev **pd)
+{
+    *pd = NULL;
+    if (mgpu_load_cuda())
+        return CUDA_ERROR_NOT_INITIALIZED;
+    enum mgpu_state s = mgpu_ensure();
+    if (s == MGPU_ST_FAILED)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (s == MGPU_ST_OPEN)
+        return CUDA_SUCCESS;
+    CUresult err = CUDA_ERROR_INVALID_DEVICE;
+    *pd = ordinal < 0 ? mgpu_current_dev(&err) : mgpu_dev_by_ordinal(ordinal);
+    return *pd ? CUDA_SUCCESS : err;
+}
+
 uint64_t mgpu_instance_used(const struct mgpu_dev *d)
 {
     uint64_t sum = 0;

@@ -707,21 +707,6 @@ struct gate {
     int locked; /* holds ss->launch_mu */
 };
 
-static __attribute__((noinline)) CUresult gate_resolve(struct mgpu_dev **pd)
-{
-    *pd = NULL;
-    if (mgpu_load_cuda())
-        return CUDA_ERROR_NOT_INITIALIZED;
-    enum mgpu_state s = mgpu_ensure();
-    if (s == MGPU_ST_FAILED)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (s == MGPU_ST_OPEN)
-        return CUDA_SUCCESS;
-    CUresult err = CUDA_ERROR_INVALID_DEVICE;
-    *pd = mgpu_current_dev(&err);
-    return *pd ? CUDA_SUCCESS : err;
-}
-
 /* Launch number n waited for room in the queue while the grant was revoked
  * (pre_launch said so): take it back, wait for the next grant and number
  * the launch again.  Only if another thread launched on the stream
@@ -761,7 +746,7 @@ static inline CUresult gate_enter(struct gate *g, CUstream h, int ptsz)
     g->slow = 0;
     g->locked = 0;
     if (MGPU_UNLIKELY(!d)) {
-        CUresult r = gate_resolve(&d);
+        CUresult r = mgpu_resolve_dev(-1, &d);
         if (r != CUDA_SUCCESS || !d)
             return r;
     }

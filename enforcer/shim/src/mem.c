@@ -200,18 +200,11 @@ void mgpu_mem_reset_after_fork(void)
  * without accounting (fail-open). */
 static CUresult mem_begin(int ordinal, uint64_t n, struct mgpu_dev **pd)
 {
+    struct mgpu_dev *d;
+    CUresult r = mgpu_resolve_dev(ordinal, &d);
     *pd = NULL;
-    if (mgpu_load_cuda())
-        return CUDA_ERROR_NOT_INITIALIZED;
-    enum mgpu_state s = mgpu_ensure();
-    if (s == MGPU_ST_FAILED)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (s == MGPU_ST_OPEN)
-        return CUDA_SUCCESS;
-    CUresult err = CUDA_ERROR_INVALID_DEVICE;
-    struct mgpu_dev *d = ordinal < 0 ? mgpu_current_dev(&err) : mgpu_dev_by_ordinal(ordinal);
-    if (!d)
-        return err;
+    if (r != CUDA_SUCCESS || !d)
+        return r;
     if (g_npend)
         reap_pending(0);
     if (!reserve(d, n)) {

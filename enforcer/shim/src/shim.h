@@ -57,6 +57,10 @@ extern struct mgpu_dev *_Atomic mgpu_fast_dev; /* the only device, when there is
 struct mgpu_dev *mgpu_dev_by_ordinal(int ordinal); /* NULL: unmanaged or out of range */
 struct mgpu_dev *mgpu_dev_by_host_index(unsigned idx);
 struct mgpu_dev *mgpu_current_dev(CUresult *err); /* the current context's device */
+/* Loads the driver, attaches on first use and returns the device a call
+ * accounts on (ordinal < 0: the current context's).  CUDA_SUCCESS with *pd
+ * NULL: pass through unaccounted (fail-open). */
+CUresult mgpu_resolve_dev(int ordinal, struct mgpu_dev **pd);
 uint64_t mgpu_instance_used(const struct mgpu_dev *d);
 extern unsigned mgpu_generation; /* bumped in a forked child; guarded by mgpu_acct_mu */
 
