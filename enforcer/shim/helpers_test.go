@@ -15,6 +15,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/mgpu-dev/mgpu/test/fakecuda"
 )
 
 var (
@@ -220,18 +222,8 @@ func eventually(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-// kv parses "a=1 b=2" fields from every line of out; later lines win.
-func kv(out string) map[string]string {
-	m := map[string]string{}
-	for _, l := range strings.Split(out, "\n") {
-		for _, f := range strings.Fields(l) {
-			if k, v, ok := strings.Cut(f, "="); ok {
-				m[k] = v
-			}
-		}
-	}
-	return m
-}
+// kv parses the key=value words of a program's output.
+var kv = fakecuda.Fields
 
 func u64(t *testing.T, m map[string]string, k string) uint64 {
 	t.Helper()

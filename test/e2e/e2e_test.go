@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/test/fakecuda"
 	"github.com/mgpu-dev/mgpu/test/harness"
 	tol "github.com/mgpu-dev/mgpu/test/shares"
 )
@@ -437,17 +438,6 @@ func (e *env) stats(t *testing.T, name string) api.InstanceStats {
 	return api.InstanceStats{}
 }
 
-// kv parses key=value words.
-func kv(out string) map[string]string {
-	m := map[string]string{}
-	for _, f := range strings.Fields(out) {
-		if k, v, ok := strings.Cut(f, "="); ok {
-			m[k] = v
-		}
-	}
-	return m
-}
-
 // Acceptance 3: from inside a container (running as root) there is no path
 // to the control socket or to any region file; a process that attaches
 // through the client socket gets its own container's instance, and nothing
@@ -502,7 +492,7 @@ func TestContainerIsolation(t *testing.T) {
 				if err != nil {
 					t.Fatalf("probe: %v", err)
 				}
-				m := kv(out)
+				m := fakecuda.Fields(out)
 				want := map[string]string{
 					"attach": "ok", "device": "0", "instance": strconv.Itoa(insts[i].ID),
 					"region.magic_ok": "true", "region.device": "0", "region.instance": strconv.Itoa(insts[i].ID),
@@ -523,7 +513,7 @@ func TestContainerIsolation(t *testing.T) {
 			// The shim attaches the container's CUDA processes to the same
 			// instance and reports its quota as the device's memory.
 			out, err = eng.Exec(ctx, ids[1], "/bin/mgpu-workload", "info")
-			if err != nil || kv(out)["device.0.total_mem"] != strconv.Itoa(4096<<20) {
+			if err != nil || fakecuda.Fields(out)["device.0.total_mem"] != strconv.Itoa(4096<<20) {
 				t.Errorf("mgpu-workload info in %s: %v, want device.0.total_mem=%d:\n%s", ids[1], err, 4096<<20, out)
 			}
 			for _, id := range ids {
@@ -859,7 +849,7 @@ func TestEnforcerRestart(t *testing.T) {
 			t.Errorf("%s: a new CUDA process after the restart: %v\n%s", r.id, err, out)
 		}
 		out, err = eng.Exec(ctx, r.id, "/bin/mgpu-workload", "info")
-		if err != nil || kv(out)["device.0.total_mem"] != strconv.Itoa(1024<<20) {
+		if err != nil || fakecuda.Fields(out)["device.0.total_mem"] != strconv.Itoa(1024<<20) {
 			t.Errorf("%s: mgpu-workload info after the restart: %v\n%s", r.id, err, out)
 		}
 	}

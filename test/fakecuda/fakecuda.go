@@ -213,3 +213,15 @@ func ctlRun(ctl, stateDir, verb string) ([]byte, error) {
 	}
 	return out, nil
 }
+
+// Fields parses the key=value words of a fixture program's output
+// (fctest, mgpu-workload); other words are ignored, a later key wins.
+func Fields(out string) map[string]string {
+	m := map[string]string{}
+	for _, f := range strings.Fields(out) {
+		if k, v, ok := strings.Cut(f, "="); ok {
+			m[k] = v
+		}
+	}
+	return m
+}

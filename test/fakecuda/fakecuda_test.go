@@ -109,17 +109,6 @@ func (e *env) stat() State {
 	return s
 }
 
-// kv parses key=value words of an output.
-func kv(out string) map[string]string {
-	m := map[string]string{}
-	for _, f := range strings.Fields(out) {
-		if k, v, ok := strings.Cut(f, "="); ok {
-			m[k] = v
-		}
-	}
-	return m
-}
-
 func num(t *testing.T, m map[string]string, k string) float64 {
 	t.Helper()
 	v, err := strconv.ParseFloat(m[k], 64)
@@ -178,7 +167,7 @@ func TestSemantics(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t)
 			out := e.run(0, filepath.Join(e.p.LibDir, "fctest"), name)
-			m := kv(out)
+			m := Fields(out)
 			switch name {
 			case "async":
 				// A launch (plus two event records) returns at once; the
@@ -403,7 +392,7 @@ func TestTwoProcessesShareTheDevice(t *testing.T) {
 func TestOwnStreamsHoldTheDevice(t *testing.T) {
 	e := newEnv(t)
 	out := e.run(0, e.p.Workload, "compute", "--kernel-us", "50", "--depth", "1", "--streams", "2", "--threads", "2", "--seconds", "1")
-	wall := num(t, kv(out), "wall_ns")
+	wall := num(t, Fields(out), "wall_ns")
 	d, _ := e.stat().Device(0)
 	if len(d.Procs) != 1 {
 		t.Fatalf("want one process, have %+v", d.Procs)
@@ -430,7 +419,7 @@ func TestResolvePaths(t *testing.T) {
 	} {
 		before, _ := e.stat().Device(0)
 		out := e.workload(0, append(args, "--kernel-us", "1000", "--seconds", "0.3")...)
-		m := kv(out)
+		m := Fields(out)
 		after, _ := e.stat().Device(0)
 		launches := num(t, m, "launches")
 		if launches < 50 {
@@ -478,7 +467,7 @@ func TestChurnAndReset(t *testing.T) {
 	}
 	wg.Wait()
 	for _, out := range outs {
-		m := kv(out)
+		m := Fields(out)
 		if num(t, m, "ok")+num(t, m, "oom") != 4000 || num(t, m, "errors") != 0 {
 			t.Errorf("churn: %s", out)
 		}
@@ -502,11 +491,11 @@ func TestChurnAndReset(t *testing.T) {
 func TestBenchmarksRun(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	m := kv(e.workload(0, "bench-launch", "--n", "50000"))
+	m := Fields(e.workload(0, "bench-launch", "--n", "50000"))
 	if v := num(t, m, "ns_per_launch"); v <= 0 || v > 20000 {
 		t.Errorf("ns_per_launch=%v", v)
 	}
-	m = kv(e.workload(0, "bench-alloc", "--n", "20000", "--bytes", "4096"))
+	m = Fields(e.workload(0, "bench-alloc", "--n", "20000", "--bytes", "4096"))
 	if v := num(t, m, "ns_per_alloc"); v <= 0 || v > 20000 {
 		t.Errorf("ns_per_alloc=%v", v)
 	}
