@@ -138,7 +138,7 @@ func setup(t *testing.T, opts NodeOptions, engines int) *env {
 		e.engines = append(e.engines, e.ctr)
 	}
 	if engines&usePodman != 0 {
-		e.podman = &Podman{N: n, Path: podman, ids: map[string]bool{}}
+		e.podman = &Podman{N: n, Path: podman}
 		t.Cleanup(func() {
 			if err := e.podman.Cleanup(); err != nil {
 				t.Errorf("podman cleanup: %v", err)

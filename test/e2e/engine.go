@@ -51,17 +51,51 @@ func (n *Node) containerEnv(c Container) []string {
 
 const engineTimeout = 2 * time.Minute
 
-// Ctr runs containers with ctr.
-type Ctr struct {
-	N  *Node
-	CD *Containerd
-
+// tracked is the set of containers an engine made and has not removed yet.
+type tracked struct {
 	mu  sync.Mutex
 	ids map[string]bool
 }
 
+func (t *tracked) track(id string) {
+	t.mu.Lock()
+	if t.ids == nil {
+		t.ids = map[string]bool{}
+	}
+	t.ids[id] = true
+	t.mu.Unlock()
+}
+
+func (t *tracked) untrack(id string) {
+	t.mu.Lock()
+	delete(t.ids, id)
+	t.mu.Unlock()
+}
+
+// removeAll removes every tracked container with remove.
+func (t *tracked) removeAll(remove func(context.Context, string) error) error {
+	t.mu.Lock()
+	var ids []string
+	for id := range t.ids {
+		ids = append(ids, id)
+	}
+	t.mu.Unlock()
+	var errs []error
+	for _, id := range ids {
+		errs = append(errs, remove(context.Background(), id))
+	}
+	return errors.Join(errs...)
+}
+
+// Ctr runs containers with ctr.
+type Ctr struct {
+	N  *Node
+	CD *Containerd
+	tracked
+}
+
 // NewCtr returns the ctr engine of node n on containerd cd.
-func NewCtr(n *Node, cd *Containerd) *Ctr { return &Ctr{N: n, CD: cd, ids: map[string]bool{}} }
+func NewCtr(n *Node, cd *Containerd) *Ctr { return &Ctr{N: n, CD: cd} }
 
 // Name is "ctr".
 func (e *Ctr) Name() string { return "ctr" }
@@ -84,12 +118,6 @@ func (e *Ctr) runArgs(c Container, mode string) []string {
 		"--mount", "type=bind,src="+e.N.IODir+",dst=/e2e,options=rbind:rw",
 		e.N.Rootfs, c.ID)
 	return append(args, c.Args...)
-}
-
-func (e *Ctr) track(id string) {
-	e.mu.Lock()
-	e.ids[id] = true
-	e.mu.Unlock()
 }
 
 // Run is `ctr run --rm`.
@@ -143,34 +171,18 @@ func (e *Ctr) Remove(ctx context.Context, id string) error {
 	if err != nil && !strings.Contains(out, "not found") {
 		return fmt.Errorf("ctr containers rm %s: %w: %s", id, err, out)
 	}
-	e.mu.Lock()
-	delete(e.ids, id)
-	e.mu.Unlock()
+	e.untrack(id)
 	return nil
 }
 
 // Cleanup removes the containers Run and Start made.
-func (e *Ctr) Cleanup() error {
-	e.mu.Lock()
-	var ids []string
-	for id := range e.ids {
-		ids = append(ids, id)
-	}
-	e.mu.Unlock()
-	var errs []error
-	for _, id := range ids {
-		errs = append(errs, e.Remove(context.Background(), id))
-	}
-	return errors.Join(errs...)
-}
+func (e *Ctr) Cleanup() error { return e.removeAll(e.Remove) }
 
 // Podman runs containers with podman (rootful).
 type Podman struct {
 	N    *Node
 	Path string // the podman binary
-
-	mu  sync.Mutex
-	ids map[string]bool
+	tracked
 }
 
 // NewPodman returns the podman engine of node n (podman from PATH).
@@ -179,7 +191,7 @@ func NewPodman(n *Node) (*Podman, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Podman{N: n, Path: p, ids: map[string]bool{}}, nil
+	return &Podman{N: n, Path: p}, nil
 }
 
 // Name is "podman".
@@ -202,12 +214,6 @@ func (e *Podman) runArgs(c Container, mode string) []string {
 	args = append(args, "-v", e.N.FakeState+":"+e.N.FakeState+":rw", "-v", e.N.IODir+":/e2e:rw",
 		"--rootfs", e.N.Rootfs)
 	return append(args, c.Args...)
-}
-
-func (e *Podman) track(id string) {
-	e.mu.Lock()
-	e.ids[id] = true
-	e.mu.Unlock()
 }
 
 // Run is `podman run --rm`.
@@ -255,23 +261,9 @@ func (e *Podman) Remove(ctx context.Context, id string) error {
 	if err != nil && !strings.Contains(out, "no such container") {
 		return fmt.Errorf("podman rm %s: %w: %s", id, err, out)
 	}
-	e.mu.Lock()
-	delete(e.ids, id)
-	e.mu.Unlock()
+	e.untrack(id)
 	return nil
 }
 
 // Cleanup removes the containers Run and Start made.
-func (e *Podman) Cleanup() error {
-	e.mu.Lock()
-	var ids []string
-	for id := range e.ids {
-		ids = append(ids, id)
-	}
-	e.mu.Unlock()
-	var errs []error
-	for _, id := range ids {
-		errs = append(errs, e.Remove(context.Background(), id))
-	}
-	return errors.Join(errs...)
-}
+func (e *Podman) Cleanup() error { return e.removeAll(e.Remove) }
