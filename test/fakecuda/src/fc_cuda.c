@@ -278,7 +278,7 @@ static struct fc_tls *get_tls(void)
     X(CUDA_ERROR_UNKNOWN, "unknown error")
 
 #define CUDA_ERROR_ILLEGAL_STATE FC_ERROR_ILLEGAL_STATE
-static const struct {
+static const struct fc_error {
     CUresult code;
     const char *name, *text;
 } errors[] = {
@@ -287,32 +287,31 @@ static const struct {
 #undef X
 };
 
+/* The entry of code in errors, or NULL. */
+static const struct fc_error *find_error(CUresult code)
+{
+    for (size_t i = 0; i < sizeof(errors) / sizeof(errors[0]); i++)
+        if (errors[i].code == code)
+            return &errors[i];
+    return NULL;
+}
+
 FC_API CUresult cuGetErrorName(CUresult error, const char **pStr)
 {
     if (!pStr)
         return CUDA_ERROR_INVALID_VALUE;
-    for (size_t i = 0; i < sizeof(errors) / sizeof(errors[0]); i++) {
-        if (errors[i].code == error) {
-            *pStr = errors[i].name;
-            return CUDA_SUCCESS;
-        }
-    }
-    *pStr = NULL;
-    return CUDA_ERROR_INVALID_VALUE;
+    const struct fc_error *e = find_error(error);
+    *pStr = e ? e->name : NULL;
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 FC_API CUresult cuGetErrorString(CUresult error, const char **pStr)
 {
     if (!pStr)
         return CUDA_ERROR_INVALID_VALUE;
-    for (size_t i = 0; i < sizeof(errors) / sizeof(errors[0]); i++) {
-        if (errors[i].code == error) {
-            *pStr = errors[i].text;
-            return CUDA_SUCCESS;
-        }
-    }
-    *pStr = NULL;
-    return CUDA_ERROR_INVALID_VALUE;
+    const struct fc_error *e = find_error(error);
+    *pStr = e ? e->text : NULL;
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 /* ---- initialisation ---- */
