@@ -9,8 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/enforcer/attach"
 	"github.com/mgpu-dev/mgpu/enforcer/procfs"
@@ -232,12 +230,7 @@ func TestAttach(t *testing.T) {
 	if res.RegionSize != region.FileSize || res.DeviceIndex != 0 || res.InstanceID != uint32(out.Instance.ID) {
 		t.Fatalf("response %+v", res.Response)
 	}
-	mem, err := unix.Mmap(int(res.Region.Fd()), 0, int(res.RegionSize), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(mem)
-	l := layoutOf(mem)
+	l := mapRegion(t, res.Region)
 	if l.Magic != region.Magic || l.Core != 40 || l.MemoryLimit != 2048<<20 || l.InstanceID != 0 {
 		t.Fatalf("header %+v", l)
 	}
@@ -538,13 +531,8 @@ func TestGrantOverruled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mem, err := unix.Mmap(int(res.Region.Fd()), 0, region.FileSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	l := mapRegion(t, res.Region)
 	res.Region.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(mem)
-	l := layoutOf(mem)
 	l.Grant.Store(7)
 	eventually(t, 5*time.Second, "self-granted word reset", func() bool { return l.Grant.Load() == 0 })
 }

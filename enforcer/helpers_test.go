@@ -18,6 +18,8 @@ import (
 	"time"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/enforcer/attach"
 	"github.com/mgpu-dev/mgpu/enforcer/region"
@@ -265,6 +267,17 @@ func itoa(i int) string { return strconv.Itoa(i) }
 func dirBase(p string) string { return filepath.Base(p) }
 
 func layoutOf(mem []byte) *region.Layout { return (*region.Layout)(unsafe.Pointer(&mem[0])) }
+
+// mapRegion maps a region fd or file for the test, like the shim does.
+func mapRegion(t testing.TB, f *os.File) *region.Layout {
+	t.Helper()
+	mem, err := unix.Mmap(int(f.Fd()), 0, region.FileSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Munmap(mem) })
+	return layoutOf(mem)
+}
 
 // rawRequest sends an HTTP request over the control socket.
 func rawRequest(t testing.TB, env *testEnv, method, path, body string) (int, string) {

@@ -19,17 +19,6 @@ import (
 	"github.com/mgpu-dev/mgpu/enforcer/region"
 )
 
-// mapRegion maps a region fd or file for the test, like the shim does.
-func mapRegion(t testing.TB, f *os.File) *region.Layout {
-	t.Helper()
-	mem, err := unix.Mmap(int(f.Fd()), 0, region.FileSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = unix.Munmap(mem) })
-	return layoutOf(mem)
-}
-
 // TestArbitration runs the loop against a simulated device: two instances
 // (fixed-share, 50 and 30) saturate it; a waiter blocked in FUTEX_WAIT on
 // an instance's grant is woken when it gets the grant; the measured shares

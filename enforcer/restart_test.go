@@ -9,11 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/enforcer/attach"
-	"github.com/mgpu-dev/mgpu/enforcer/region"
 )
 
 // daemon is mgpu-enforcer (Command) running in a subprocess: the test
@@ -67,13 +64,8 @@ func TestKillAndRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mem, err := unix.Mmap(int(res.Region.Fd()), 0, region.FileSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	l := mapRegion(t, res.Region)
 	res.Region.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(mem)
-	l := layoutOf(mem)
 	p := &l.Procs[res.Slot]
 	epoch := l.EnforcerEpoch.Load()
 	// Act like the shim: work measured, memory reserved, a thread waiting.
