@@ -177,6 +177,19 @@ func openDevices(c *cli.Context) (*config.Config, []device.Info, error) {
 	return cfg, devs, nil
 }
 
+// selectedDevices is openDevices narrowed to --device X when it is set.
+func selectedDevices(c *cli.Context) (*config.Config, []device.Info, error) {
+	cfg, devs, err := openDevices(c)
+	if err != nil || !c.IsSet("device") {
+		return cfg, devs, err
+	}
+	d, err := device.Find(devs, c.Int("device"))
+	if err != nil {
+		return nil, nil, usageError{err}
+	}
+	return cfg, []device.Info{d}, nil
+}
+
 func deviceInfo(c *cli.Context) error {
 	format, err := outputFormat(c)
 	if err != nil {
@@ -188,16 +201,9 @@ func deviceInfo(c *cli.Context) error {
 	if !c.Bool("all") && !c.IsSet("device") {
 		return usagef("say which devices: -a for all, or --device X")
 	}
-	cfg, devs, err := openDevices(c)
+	cfg, devs, err := selectedDevices(c)
 	if err != nil {
 		return err
-	}
-	if c.IsSet("device") {
-		d, err := device.Find(devs, c.Int("device"))
-		if err != nil {
-			return usageError{err}
-		}
-		devs = []device.Info{d}
 	}
 	reports := make([]DeviceReport, 0, len(devs))
 	for _, d := range devs {

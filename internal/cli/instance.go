@@ -52,16 +52,9 @@ func instanceList(c *cli.Context) error {
 	if c.NArg() > 0 {
 		return usagef("instance list takes no arguments, got %q", c.Args().First())
 	}
-	cfg, devs, err := openDevices(c)
+	cfg, devs, err := selectedDevices(c)
 	if err != nil {
 		return err
-	}
-	if c.IsSet("device") {
-		d, err := device.Find(devs, c.Int("device"))
-		if err != nil {
-			return usageError{err}
-		}
-		devs = []device.Info{d}
 	}
 	all := []api.Instance{}
 	var idle []string
