@@ -7,6 +7,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -232,6 +233,26 @@ func (b *bench) launchOverhead() error {
 	return nil
 }
 
+// medianOfParallel runs f procs times at once and returns the median of
+// what they measured, or the first error.
+func medianOfParallel(procs int, f func() (float64, error)) (float64, error) {
+	vals := make([]float64, procs)
+	errs := make([]error, procs)
+	var wg sync.WaitGroup
+	for i := range procs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			vals[i], errs[i] = f()
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return 0, err
+	}
+	return median(vals), nil
+}
+
 func (b *bench) allocOverhead() error {
 	n, err := shimNode()
 	if err != nil {
@@ -240,29 +261,13 @@ func (b *bench) allocOverhead() error {
 	defer func() { _ = n.Close() }()
 	for _, procs := range []int{1, 8} {
 		off, on, err := b.sideBySide(func(shim bool) (float64, error) {
-			outs := make([]string, procs)
-			errs := make([]error, procs)
-			var wg sync.WaitGroup
-			for i := 0; i < procs; i++ {
-				wg.Add(1)
-				go func(i int) {
-					defer wg.Done()
-					outs[i], errs[i] = runIn(n, shim, "bench-alloc", "--n", "100000", "--bytes", "1048576")
-				}(i)
-			}
-			wg.Wait()
-			var vals []float64
-			for i := range outs {
-				if errs[i] != nil {
-					return 0, errs[i]
-				}
-				v, err := field(outs[i], "ns_per_alloc")
+			return medianOfParallel(procs, func() (float64, error) {
+				out, err := runIn(n, shim, "bench-alloc", "--n", "100000", "--bytes", "1048576")
 				if err != nil {
 					return 0, err
 				}
-				vals = append(vals, v)
-			}
-			return median(vals), nil
+				return field(out, "ns_per_alloc")
+			})
 		})
 		if err != nil {
 			return err
@@ -316,27 +321,13 @@ func (b *bench) processStart() error {
 	b.report("start_true_overhead", (on-off)/1e3, "us", "~0 (no work at load)")
 	for _, procs := range []int{1, 64} {
 		off, on, err := b.sideBySide(func(shim bool) (float64, error) {
-			times := make([]float64, procs)
-			errs := make([]error, procs)
-			var wg sync.WaitGroup
-			for i := 0; i < procs; i++ {
-				wg.Add(1)
-				go func(i int) {
-					defer wg.Done()
-					env := n.Env()
-					if shim {
-						env = n.ShimEnv(0)
-					}
-					times[i], errs[i] = timeOne(env, n.Paths.Workload, "info")
-				}(i)
-			}
-			wg.Wait()
-			for _, e := range errs {
-				if e != nil {
-					return 0, e
+			return medianOfParallel(procs, func() (float64, error) {
+				env := n.Env()
+				if shim {
+					env = n.ShimEnv(0)
 				}
-			}
-			return median(times), nil
+				return timeOne(env, n.Paths.Workload, "info")
+			})
 		})
 		if err != nil {
 			return err
