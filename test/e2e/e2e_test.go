@@ -362,15 +362,7 @@ func TestInstanceReleased(t *testing.T) {
 			c = e.container("killed", "30", "4096")
 			c.Args = sh(c.ID, "/bin/sleep 3600 & exec /bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 100 --hold-ms -1")
 			e.startAttached(t, eng, c, 1)
-			pid, err := eng.InitPID(ctx, c.ID)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ns, err := PIDNamespace(pid)
-			if err != nil {
-				t.Fatal(err)
-			}
-			pids := nsPids(ns)
+			pids := nsPids(pidNamespaceOf(t, eng, c.ID))
 			start := time.Now()
 			for _, p := range pids {
 				_ = syscall.Kill(p, syscall.SIGKILL)
@@ -387,7 +379,8 @@ func TestInstanceReleased(t *testing.T) {
 			c = e.container("shimkilled", "30", "4096")
 			c.Args = sh(c.ID, "/bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 100 --hold-ms -1")
 			e.startAttached(t, eng, c, 1)
-			if pid, err = eng.InitPID(ctx, c.ID); err != nil {
+			pid, err := eng.InitPID(ctx, c.ID)
+			if err != nil {
 				t.Fatal(err)
 			}
 			shim, ok := harness.ParentOf(pid)
@@ -609,6 +602,20 @@ func saturating(core string) load {
 	return load{core, "compute --api launch --kernel-us 100 --depth 64 --seconds %s", "start"}
 }
 
+// pidNamespaceOf is the pid namespace of container id (its init's).
+func pidNamespaceOf(t *testing.T, eng Engine, id string) uint64 {
+	t.Helper()
+	pid, err := eng.InitPID(context.Background(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns, err := PIDNamespace(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ns
+}
+
 // running is a container of a measurement: its id and pid namespace.
 type running struct {
 	id string
@@ -627,15 +634,7 @@ func (e *env) startLoads(t *testing.T, eng Engine, loads []load, secs float64) [
 		if out, err := eng.Start(ctx, c); err != nil {
 			t.Fatalf("start %s: %v\n%s", c.ID, err, out)
 		}
-		pid, err := eng.InitPID(ctx, c.ID)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ns, err := PIDNamespace(pid)
-		if err != nil {
-			t.Fatal(err)
-		}
-		rs = append(rs, running{c.ID, ns})
+		rs = append(rs, running{c.ID, pidNamespaceOf(t, eng, c.ID)})
 	}
 	for i, r := range rs {
 		e.waitOutput(t, r.id, loads[i].ready, 20*time.Second)
@@ -799,15 +798,7 @@ func TestEnforcerRestart(t *testing.T) {
 		e.startAttached(t, eng, c, 2)
 		e.waitOutput(t, c.ID, "start", 20*time.Second)
 		e.waitOutput(t, c.ID, "holding", 20*time.Second)
-		pid, err := eng.InitPID(ctx, c.ID)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ns, err := PIDNamespace(pid)
-		if err != nil {
-			t.Fatal(err)
-		}
-		rs = append(rs, running{c.ID, ns})
+		rs = append(rs, running{c.ID, pidNamespaceOf(t, eng, c.ID)})
 	}
 	shares, dev := e.measure(t, rs, time.Second, win)
 	t.Logf("before the restart: shares over %v: %.2f (device %.2f%%)", win, shares, dev)
