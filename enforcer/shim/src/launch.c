@@ -707,6 +707,23 @@ struct gate {
     int locked; /* holds ss->launch_mu */
 };
 
+/* Numbers the launch on ss (g->n).  Launch numbers must follow the stream's
+ * order, which marks and batches are counted in: threads that share a
+ * stream (the legacy stream, one handed between worker threads) launch on
+ * it one at a time.  The number is a read-modify-write all the same: the
+ * launch in flight on the owner thread when a second thread marks the
+ * stream shared must not reuse it.  Returns whether the launch takes the
+ * slow path. */
+static inline int gate_number(struct gate *g, struct sstate *ss)
+{
+    if (MGPU_UNLIKELY(atomic_load_explicit(&ss->shared, memory_order_relaxed))) {
+        pthread_mutex_lock(&ss->launch_mu);
+        g->locked = 1;
+    }
+    g->n = atomic_fetch_add_explicit(&ss->submitted, 1, memory_order_relaxed) + 1;
+    return g->n >= atomic_load_explicit(&ss->check_at, memory_order_relaxed);
+}
+
 /* Launch number n waited for room in the queue while the grant was revoked
  * (pre_launch said so): take it back, wait for the next grant and number
  * the launch again.  Only if another thread launched on the stream
@@ -726,12 +743,7 @@ static __attribute__((noinline)) void gate_retry(struct gate *g, struct mgpu_dev
         g->slow = 0;
         wait_grant(d);
         atomic_fetch_add_explicit(&d->slot->launches, 1, memory_order_relaxed);
-        if (atomic_load_explicit(&ss->shared, memory_order_relaxed)) {
-            pthread_mutex_lock(&ss->launch_mu);
-            g->locked = 1;
-        }
-        g->n = atomic_fetch_add_explicit(&ss->submitted, 1, memory_order_relaxed) + 1;
-        if (g->n < atomic_load_explicit(&ss->check_at, memory_order_relaxed))
+        if (!gate_number(g, ss))
             return;
         g->slow = 1;
         if (!pre_launch(ss, g->n, 1))
@@ -760,21 +772,9 @@ static inline CUresult gate_enter(struct gate *g, CUstream h, int ptsz)
     g->d = d;
     if (MGPU_UNLIKELY(!ss))
         return CUDA_SUCCESS;
-    /* Launch numbers must follow the stream's order, which marks and batches
-     * are counted in: threads that share a stream (the legacy stream, one
-     * handed between worker threads) launch on it one at a time. */
-    if (MGPU_UNLIKELY(atomic_load_explicit(&ss->shared, memory_order_relaxed))) {
-        pthread_mutex_lock(&ss->launch_mu);
-        g->locked = 1;
-    }
-    /* A read-modify-write all the same: the launch in flight on the owner
-     * thread when a second thread marks the stream shared must not reuse a
-     * number. */
-    uint64_t n = atomic_fetch_add_explicit(&ss->submitted, 1, memory_order_relaxed) + 1;
-    g->n = n;
-    if (MGPU_UNLIKELY(n >= atomic_load_explicit(&ss->check_at, memory_order_relaxed))) {
+    if (MGPU_UNLIKELY(gate_number(g, ss))) {
         g->slow = 1;
-        if (MGPU_UNLIKELY(pre_launch(ss, n, 1)))
+        if (MGPU_UNLIKELY(pre_launch(ss, g->n, 1)))
             gate_retry(g, d, ss);
     }
     return CUDA_SUCCESS;
