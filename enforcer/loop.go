@@ -88,14 +88,32 @@ func (e *Enforcer) tickLocked(now time.Duration) time.Duration {
 		e.usage[in.id] = u
 	}
 	granted := e.arb.Tick(now, e.usage)
+	// An instance may share the GPU with another one's work when some
+	// other instance holds the grant or still has work queued (a revoked
+	// holder's tail): its event timings may then include that work.
+	onGPU := 0
+	for _, in := range e.list {
+		if e.usage[in.id].Queued > 0 || isGranted(granted, in.id) {
+			onGPU++
+		}
+	}
 	for _, in := range e.list {
 		var v uint32
-		for _, id := range granted {
-			if id == in.id {
-				v = 1
-				active = true
-				break
-			}
+		self := 0
+		if isGranted(granted, in.id) {
+			v = 1
+			active = true
+		}
+		if v == 1 || e.usage[in.id].Queued > 0 {
+			self = 1
+		}
+		var c uint32
+		if onGPU > self {
+			c = 1
+		}
+		// Before the grant: a new holder's first batch must see it.
+		if in.reg.L().Contended.Load() != c {
+			in.reg.L().Contended.Store(c)
 		}
 		// Compared with the word itself, not with what was written last:
 		// a process that sets its own grant is overruled at the next tick.
@@ -112,4 +130,14 @@ func (e *Enforcer) tickLocked(now time.Duration) time.Duration {
 	default:
 		return e.o.dormantTick
 	}
+}
+
+// isGranted reports whether id is among the arbiter's grant holders.
+func isGranted(granted []int, id int) bool {
+	for _, g := range granted {
+		if g == id {
+			return true
+		}
+	}
+	return false
 }

@@ -62,7 +62,12 @@ type Layout struct {
 	Grant         atomic.Uint32 // futex word: 0 = wait, otherwise granted
 	EnforcerEpoch atomic.Uint32 // bumped by every enforcer start that adopts the region
 	HeartbeatNs   atomic.Uint64 // CLOCK_MONOTONIC of the last arbitration tick
-	ReservedCtl   [6]uint64
+	// Contended is 1 while another instance of the device may have work on
+	// the GPU (it holds the grant or has not reported its queue drained):
+	// the shim then charges batches by its clean per-launch estimate.
+	Contended     atomic.Uint32
+	ReservedCtl32 uint32
+	ReservedCtl   [5]uint64
 
 	ReservedTail [16]uint64
 

@@ -42,6 +42,8 @@ func TestLayoutMatchesHeader(t *testing.T) {
 		"mgpu_region_t.grant":          uint64(unsafe.Offsetof(l.Grant)),
 		"mgpu_region_t.enforcer_epoch": uint64(unsafe.Offsetof(l.EnforcerEpoch)),
 		"mgpu_region_t.heartbeat_ns":   uint64(unsafe.Offsetof(l.HeartbeatNs)),
+		"mgpu_region_t.contended":      uint64(unsafe.Offsetof(l.Contended)),
+		"mgpu_region_t.reserved_ctl32": uint64(unsafe.Offsetof(l.ReservedCtl32)),
 		"mgpu_region_t.reserved_ctl":   uint64(unsafe.Offsetof(l.ReservedCtl)),
 		"mgpu_region_t.reserved_tail":  uint64(unsafe.Offsetof(l.ReservedTail)),
 		"mgpu_region_t.procs":          uint64(unsafe.Offsetof(l.Procs)),

@@ -45,6 +45,8 @@ static const mgpu_entry mgpu_entries[] = {
 	OFF(mgpu_region_t, grant),
 	OFF(mgpu_region_t, enforcer_epoch),
 	OFF(mgpu_region_t, heartbeat_ns),
+	OFF(mgpu_region_t, contended),
+	OFF(mgpu_region_t, reserved_ctl32),
 	OFF(mgpu_region_t, reserved_ctl),
 	OFF(mgpu_region_t, reserved_tail),
 	OFF(mgpu_region_t, procs),

@@ -82,7 +82,15 @@ typedef struct mgpu_region {
     MGPU_ATOMIC(uint32_t) grant;          /* futex word: 0 = wait, otherwise granted */
     MGPU_ATOMIC(uint32_t) enforcer_epoch; /* bumped by every enforcer start that adopts the region */
     MGPU_ATOMIC(uint64_t) heartbeat_ns;   /* CLOCK_MONOTONIC of the enforcer's last arbitration tick */
-    uint64_t reserved_ctl[6];
+    /* 1 while another instance of the device may have work on the GPU (it
+     * holds the grant, or its queue was not yet reported drained), so this
+     * instance's event timings may include that work: the shim then charges
+     * a batch no more than its launches' estimate from clean batches.
+     * Written before grant at every tick; 0 on a device used by one
+     * instance (see enforcer/shim/README.md "Interleaved work"). */
+    MGPU_ATOMIC(uint32_t) contended;
+    uint32_t reserved_ctl32;
+    uint64_t reserved_ctl[5];
 
     uint64_t reserved_tail[16];
 

@@ -60,6 +60,7 @@ struct mark {
     uint64_t first_est; /* idle start: the estimate of one launch when the batch began */
     int idle;           /* the batch began on an idle stream: ref follows its first launch */
     int contig;         /* ref was recorded while the previous mark was pending: no idle gap between them */
+    int cont;           /* another instance may have run inside the batch (region's contended word) */
     uint64_t at;     /* stream launch count at the mark */
     uint64_t est_at; /* est_total at the mark */
 };
@@ -86,12 +87,14 @@ struct sstate {
     CUevent batch_ref0; /* its event before the first launch */
     uint64_t batch_first; /* first_est of the open batch */
     int batch_contig;     /* the open batch follows the previous one without a gap */
+    int batch_cont;       /* the open batch began while another instance had work on the GPU */
     uint64_t last_end;    /* timeline end of the newest completed batch (0: none) */
     struct mark ring[MGPU_RING];
     unsigned head, count;
     CUevent pool[MGPU_POOL];
     unsigned npool, nevents;
     uint64_t avg_ns;  /* mean GPU time per launch; 0: not measured yet */
+    uint64_t clean_ns; /* mean GPU time per launch of batches no other instance ran inside; 0: none yet */
     uint64_t per_mark;
     uint64_t queued_ns; /* this stream's part of the device's queued_ns */
     /* queued_ns counts each launch at the estimate in force when it was
@@ -230,6 +233,13 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* Whether another instance of the device may have work on the GPU now:
+ * then this process's events may time that work too (interleaved). */
+static int contended(const struct sstate *ss)
+{
+    return atomic_load_explicit(&ss->dev->region->contended, memory_order_acquire) != 0;
+}
+
 static CUstream stream_handle(const struct sstate *ss)
 {
     return (CUstream)ss->key; /* KEY_LEGACY and KEY_PER_THREAD are the API's own handles */
@@ -278,9 +288,11 @@ static void ss_reset(struct sstate *ss)
     ss->batch_ref0 = NULL;
     ss->batch_first = 0;
     ss->batch_contig = 0;
+    ss->batch_cont = 0;
     ss->last_end = 0;
     ss->head = ss->count = ss->npool = ss->nevents = 0;
     ss->avg_ns = 0;
+    ss->clean_ns = 0;
     ss->per_mark = 1;
     ss->queued_ns = 0;
     ss->cur_est = ss->est_total = ss->folded = ss->est_done = 0;
@@ -327,6 +339,16 @@ static void learn(struct sstate *ss, uint64_t sample)
         ss->avg_ns = (7 * ss->avg_ns + (sample > 2 * ss->avg_ns ? 2 * ss->avg_ns : sample) + 4) / 8;
 }
 
+/* Feeds one per-launch sample of a batch that no other instance ran
+ * inside: an unbiased mean, what an interleaved batch is charged by. */
+static void learn_clean(struct sstate *ss, uint64_t sample)
+{
+    if (!ss->clean_ns)
+        ss->clean_ns = sample ? sample : 1;
+    else
+        ss->clean_ns = (7 * ss->clean_ns + sample + 4) / 8;
+}
+
 /* Processes the stream's completed marks, oldest first. */
 static void poll_ss(struct sstate *ss, uint64_t pending)
 {
@@ -348,8 +370,16 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
                 /* The exactly timed launches first: they seed the estimate
                  * of a new process better than its first launch, which may
                  * have waited behind another instance's tail. */
-                if (dur > 0 && timed > 0)
+                /* A batch that another instance's work may have run
+                 * inside (a hand-off: the revoked holder's tail and the new
+                 * holder's first work; on a GPU that time-slices or
+                 * interleaves contexts they alternate) is timed long: it
+                 * may lower the estimate, never raise it. */
+                int cont = m->cont || contended(ss);
+                if (dur > 0 && timed > 0 && (!cont || (uint64_t)dur / timed < ss->avg_ns))
                     learn(ss, (uint64_t)dur / timed);
+                if (dur > 0 && timed > 0 && !cont)
+                    learn_clean(ss, (uint64_t)dur / timed);
                 uint64_t first = 0;
                 int64_t k1;
                 if (m->idle && m->ref0 && elapsed_ns(m->ref0, m->ref, &k1) == 0 && k1 > 0) {
@@ -364,6 +394,11 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
                 if (dur > 0 || first) {
                     placed = 1;
                     uint64_t add = batch_time(ss, m->ref, m->end, (uint64_t)dur + first, first, m->contig, &kept);
+                    /* Interleaved: charged no more than its launches take
+                     * when nobody else runs (the clean estimate). */
+                    uint64_t est = ss->clean_ns ? ss->clean_ns : ss->avg_ns;
+                    if (cont && est && timed * est + first < add)
+                        add = timed * est + first;
                     gpu += add;
 #ifdef MGPU_TRACE
                     struct timespec tts;
@@ -433,13 +468,15 @@ static int record_mark(struct sstate *ss, uint64_t at, uint64_t pending)
     unsigned i = (ss->head + ss->count) % MGPU_RING;
     ss->ring[i] = (struct mark){
         .ref = ss->batch_ref, .end = e, .at = at, .est_at = ss->est_total, .first_est = ss->batch_first,
-        .idle = ss->batch_idle, .ref0 = ss->batch_ref0, .contig = ss->batch_contig};
+        .idle = ss->batch_idle, .ref0 = ss->batch_ref0, .contig = ss->batch_contig,
+        .cont = ss->batch_cont || contended(ss)};
     ss->count++;
     ss->batch_ref = NULL;
     ss->batch_ref0 = NULL;
     ss->batch_first = 0;
     ss->batch_idle = 0;
     ss->batch_contig = 0;
+    ss->batch_cont = 0;
     ss->marked = at;
     return 0;
 }
@@ -527,6 +564,7 @@ static int pre_launch(struct sstate *ss, uint64_t n, int gated)
     /* Start a batch.  Launches after the newest mark that no batch covers
      * (another thread's flush marked past an open batch) join this one. */
     if (ss->marked < n && !ss->batch_ref && !ss->ref_after) {
+        ss->batch_cont = contended(ss);
         if (ss->count == 0) {
             ss->ref_after = 1; /* idle: start the batch after this launch */
             CUevent e0 = ev_get(ss);
