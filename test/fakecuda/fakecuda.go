@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 )
 
@@ -40,6 +41,12 @@ type Device struct {
 	KernelNs uint64 `json:"kernel_ns"` // time kernels ran
 	Kernels  uint64 `json:"kernels"`
 	Procs    []Proc `json:"procs"`
+
+	// Model is the device model ("slice", "timer" or "kernel"), TimesliceNs
+	// its time slice (kernel model: only the turn of a process's streams
+	// among themselves); both fixed by the process that created the state.
+	Model       string `json:"model"`
+	TimesliceNs uint64 `json:"timeslice_ns"`
 }
 
 // State is the output of `fakecuda-ctl stat`.
@@ -162,6 +169,79 @@ func Env(p Paths, stateDir string, extra ...string) []string {
 	}
 	env = append(env, "LD_LIBRARY_PATH="+p.LibDir, "FAKECUDA_STATE_DIR="+stateDir)
 	return append(env, extra...)
+}
+
+// The device models (README.md, "Device models").
+const (
+	ModelSlice  = "slice"
+	ModelTimer  = "timer"
+	ModelKernel = "kernel"
+)
+
+// ParseModel reads a device model spec: "slice" (or "", the default),
+// "timer" (2 ms slices), "timer:1ms", "timer:<N>ms", "timer:<N>us",
+// "slice:<N>ms"/"slice:<N>us", or "kernel". timesliceUS is 0 where the
+// model's default applies (slice: 4000 us).
+func ParseModel(s string) (model string, timesliceUS int, err error) {
+	name, dur, hasDur := strings.Cut(strings.TrimSpace(s), ":")
+	bad := func(why string) (string, int, error) {
+		return "", 0, fmt.Errorf("fakecuda: device model %q: %s (want slice, timer, timer:<N>ms, timer:<N>us or kernel)", s, why)
+	}
+	switch name {
+	case "", ModelSlice, ModelTimer:
+	case ModelKernel:
+		if hasDur {
+			return bad("the kernel model has no time slice")
+		}
+		return ModelKernel, 0, nil
+	default:
+		return bad("unknown model")
+	}
+	if name == "" {
+		if hasDur {
+			return bad("no model name")
+		}
+		name = ModelSlice
+	}
+	if !hasDur {
+		if name == ModelTimer {
+			return ModelTimer, 2000, nil
+		}
+		return ModelSlice, 0, nil
+	}
+	unit := 0
+	switch {
+	case strings.HasSuffix(dur, "ms"):
+		dur, unit = strings.TrimSuffix(dur, "ms"), 1000
+	case strings.HasSuffix(dur, "us"):
+		dur, unit = strings.TrimSuffix(dur, "us"), 1
+	default:
+		return bad("the time slice needs a unit, ms or us")
+	}
+	n, err := strconv.Atoi(dur)
+	if err != nil || n <= 0 {
+		return bad("bad time slice")
+	}
+	us := n * unit
+	if us < 100 || us > 1000000 {
+		return bad("time slice out of range 100us..1000ms")
+	}
+	return name, us, nil
+}
+
+// ModelEnv returns the environment entries that select a device model
+// (FAKECUDA_DEVICE_MODEL; FAKECUDA_TIMESLICE_US when timesliceUS > 0). They
+// take effect in the process that creates the state (the first cuInit or
+// nvmlInit on a fresh state dir): give them to every process.
+func ModelEnv(model string, timesliceUS int) []string {
+	if model == "" {
+		model = ModelSlice
+	}
+	env := []string{"FAKECUDA_DEVICE_MODEL=" + model}
+	if timesliceUS > 0 {
+		env = append(env, "FAKECUDA_TIMESLICE_US="+strconv.Itoa(timesliceUS))
+	}
+	return env
 }
 
 // Stat reads the state in stateDir with the fakecuda-ctl of BuildDir().

@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -301,7 +302,23 @@ func TestKilledProcessMemoryReturns(t *testing.T) {
 // process gets the device within the liveness poll.
 func TestKilledOwnerReleasesDevice(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t)
+	killedOwnerReleasesDevice(t, newEnv(t))
+}
+
+// The same in the other device models. The timer model's slice is long
+// (1 s) so that the owner dies inside it: only the liveness check can hand
+// the device on (nobody preempts a dead process's kernel).
+func TestKilledOwnerReleasesDeviceModels(t *testing.T) {
+	for _, spec := range []string{"kernel", "timer:1000ms"} {
+		t.Run(strings.ReplaceAll(spec, ":", "_"), func(t *testing.T) {
+			t.Parallel()
+			killedOwnerReleasesDevice(t, newEnv(t, modelEnv(t, spec)...))
+		})
+	}
+}
+
+func killedOwnerReleasesDevice(t *testing.T, e *env) {
+	t.Helper()
 	long := e.cmd(e.p.Workload, "compute", "--kernel-us", "5000000", "--depth", "1", "--seconds", "0.01")
 	if err := long.Start(); err != nil {
 		t.Fatal(err)
@@ -340,8 +357,20 @@ func TestKilledOwnerReleasesDevice(t *testing.T) {
 // Two saturating processes share one device: each gets about half of the
 // device time and the device is busy about all the time, never more.
 func TestTwoProcessesShareTheDevice(t *testing.T) {
-	e := newEnv(t)
-	const seconds = 3.0
+	twoProcessesShareTheDevice(t, newEnv(t), 3.0)
+}
+
+// The same, shorter, in the other device models.
+func TestTwoProcessesShareTheDeviceModels(t *testing.T) {
+	for _, spec := range []string{"timer:1ms", "kernel"} {
+		t.Run(strings.ReplaceAll(spec, ":", "_"), func(t *testing.T) {
+			twoProcessesShareTheDevice(t, newEnv(t, modelEnv(t, spec)...), 1.0)
+		})
+	}
+}
+
+func twoProcessesShareTheDevice(t *testing.T, e *env, seconds float64) {
+	t.Helper()
 	var cmds []*exec.Cmd
 	var outs []*bytes.Buffer
 	start := time.Now()
@@ -530,6 +559,19 @@ func TestSanitizerBuild(t *testing.T) {
 	e.workload(0, "--resolve", "runtime", "compute", "--api", "graph", "--kernel-us", "500", "--seconds", "0.2")
 	e.workload(0, "fork", "--kernel-us", "1000")
 	e.workload(0, "alloc-churn", "--api", "cuMemAllocAsync", "--mib", "1", "--iterations", "500", "--threads", "2")
+	// the other device models: preemption, hand-over after each kernel
+	for _, tc := range []struct {
+		spec string
+		args []string
+	}{
+		{"timer:1ms", []string{"share", "2", "5000", "2"}},
+		{"timer:1ms", []string{"share", "3", "300", "10"}},
+		{"kernel", []string{"share", "2", "500", "10"}},
+	} {
+		m := &env{t: t, p: e.p, state: t.TempDir(), extra: append(slices.Clone(e.extra), modelEnv(t, tc.spec)...)}
+		m.run(0, filepath.Join(m.p.LibDir, "fctest"), tc.args...)
+		m.run(0, filepath.Join(m.p.LibDir, "fctest"), "slice")
+	}
 }
 
 // Processes are told apart by pid namespace: a process reports its own pid

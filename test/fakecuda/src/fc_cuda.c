@@ -402,6 +402,11 @@ static int parse_visible(int total, int *host)
 
 static CUresult do_init(void)
 {
+    const char *bad = "";
+    if (fc_env_model(&bad) < 0) {
+        fprintf(stderr, "fakecuda: unknown FAKECUDA_DEVICE_MODEL=%s (want slice, timer or kernel)\n", bad);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     int total = fc_env_devices();
     g.ndev = parse_visible(total, g.host);
     if (g.ndev == 0)
@@ -885,10 +890,32 @@ static void run_kernel(CUcontext c, uint64_t dur, struct held *hd)
     }
     uint64_t t0 = fc_now_ns();
     uint64_t end = t0 + dur;
-    struct timespec ts = {(time_t)(end / 1000000000ULL), (long)(end % 1000000000ULL)};
-    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
-        ;
-    uint64_t t1 = fc_now_ns();
+    uint64_t t1;
+    /* the timer model preempts at the end of the slice */
+    uint64_t se = d->model == FC_MODEL_TIMER ? fc_exec_slice_end(d, hd->ticket) : UINT64_MAX;
+    for (;;) {
+        uint64_t wake = se < end ? se : end;
+        struct timespec ts = {(time_t)(wake / 1000000000ULL), (long)(wake % 1000000000ULL)};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+            ;
+        t1 = fc_now_ns();
+        if (t1 >= end)
+            break;
+        /* The slice ended inside the kernel: if another process waits, the
+         * kernel leaves the device with the time it ran and queues again
+         * for the rest; otherwise it runs on in a new slice. */
+        int keep = fc_exec_preempt(d, hd->ticket, proc, t1 - hd->mark, t1 - t0, &se);
+        hd->mark = t1;
+        t0 = t1;
+        if (keep)
+            continue;
+        uint64_t left = end - t1, since;
+        hd->ticket = fc_exec_acquire(d, proc, &since);
+        hd->mark = since;
+        se = fc_exec_slice_end(d, hd->ticket);
+        t0 = fc_now_ns();
+        end = t0 + left;
+    }
     /* Recorded now, so that a process that exits right after its last
      * kernel leaves a complete record. */
     fc_exec_account(d, hd->ticket, proc, t1 - hd->mark, t1 - t0);

@@ -28,6 +28,12 @@ FC_API nvmlReturn_t nvmlInit_v2(void)
 {
     nvmlReturn_t r = NVML_SUCCESS;
     pthread_mutex_lock(&mu);
+    const char *bad = "";
+    if (refs == 0 && fc_env_model(&bad) < 0) {
+        fprintf(stderr, "fakecuda: unknown FAKECUDA_DEVICE_MODEL=%s (want slice, timer or kernel)\n", bad);
+        pthread_mutex_unlock(&mu);
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
     if (refs == 0) {
         int n = fc_env_devices();
         for (int i = 0; i < n; i++) {

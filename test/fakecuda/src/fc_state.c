@@ -54,6 +54,26 @@ const char *fc_env_name(void)
     return (s && *s) ? s : "Simulated-GPU-80GB";
 }
 
+static const char *const model_names[] = {"slice", "timer", "kernel"};
+
+int fc_env_model(const char **bad)
+{
+    const char *s = getenv("FAKECUDA_DEVICE_MODEL");
+    if (!s || !*s)
+        return FC_MODEL_SLICE;
+    for (int m = 0; m < (int)(sizeof(model_names) / sizeof(model_names[0])); m++)
+        if (strcmp(s, model_names[m]) == 0)
+            return m;
+    if (bad)
+        *bad = s;
+    return -1;
+}
+
+const char *fc_model_name(uint32_t model)
+{
+    return model < sizeof(model_names) / sizeof(model_names[0]) ? model_names[model] : "?";
+}
+
 void fc_uuid_bytes(int index, unsigned char out[16])
 {
     static const unsigned char prefix[10] = {0x5a, 0x1e, 0, 0, 0, 0, 0x40, 0, 0x80, 0};
@@ -136,6 +156,11 @@ static struct fc_dev *map_fd(int fd)
  * with link(2); losing the race to another creator is fine. */
 static int create_file(const char *dir, const char *path, int index)
 {
+    int model = fc_env_model(NULL);
+    if (model < 0) {
+        errno = EINVAL; /* unknown FAKECUDA_DEVICE_MODEL; cuInit and nvmlInit say so */
+        return -1;
+    }
     char tmp[PATH_MAX];
     if (snprintf(tmp, sizeof(tmp), "%s/.gpu%d.%d.tmp", dir, index, (int)getpid()) >= (int)sizeof(tmp)) {
         errno = ENAMETOOLONG;
@@ -153,7 +178,13 @@ static int create_file(const char *dir, const char *path, int index)
     d->layout = FC_LAYOUT;
     d->slice_proc = -1;
     d->handed_from = -1;
-    d->slice_ns = (uint64_t)env_long("FAKECUDA_TIMESLICE_US", 4000, 0, 1000000) * 1000;
+    d->model = (uint32_t)model;
+    /* The timer model preempts at every slice end: a slice shorter than
+     * 100 us would be mostly hand-overs. */
+    if (model == FC_MODEL_TIMER)
+        d->slice_ns = (uint64_t)env_long("FAKECUDA_TIMESLICE_US", 2000, 100, 1000000) * 1000;
+    else
+        d->slice_ns = (uint64_t)env_long("FAKECUDA_TIMESLICE_US", 4000, 0, 1000000) * 1000;
     d->index = (uint32_t)index;
     d->size = sizeof(*d);
     snprintf(d->name, sizeof(d->name), "%s", fc_env_name());
@@ -349,36 +380,115 @@ static int others_wait_locked(const struct fc_dev *d, int proc)
     return 0;
 }
 
-/* Hands the device to the oldest live waiter (or leaves it idle). */
+/* With d->mu held: records that proc (-1: nobody) holds the device from now
+ * on, if that is a change of process. */
+static void trace_locked(struct fc_dev *d, int proc, uint64_t now)
+{
+    if (d->ntrace && d->trace[(d->ntrace - 1) % FC_TRACE].proc == proc)
+        return;
+    struct fc_trace_ent *e = &d->trace[d->ntrace % FC_TRACE];
+    e->t_ns = now;
+    e->proc = proc;
+    d->ntrace++;
+}
+
+/* The oldest waiter of proc (or, for proc < 0, of any process; other: of any
+ * process but proc), or -1. */
+static int oldest_locked(const struct fc_dev *d, int proc, int other)
+{
+    int best = -1;
+    for (int w = 0; w < FC_MAX_WAITERS; w++)
+        if (d->wq[w].ticket && (proc < 0 || (other ? d->wq[w].proc != proc : d->wq[w].proc == proc)) &&
+            (best < 0 || d->wq[w].ticket < d->wq[best].ticket))
+            best = w;
+    return best;
+}
+
+/* Slice model: the waiter to serve next.  in_slice: the slice of
+ * d->slice_proc runs. */
+static int pick_slice_locked(const struct fc_dev *d, int in_slice)
+{
+    int best = -1;
+    /* While a process's time slice runs, its own waiters go first (a
+     * real GPU switches contexts at slice boundaries, not per kernel). */
+    if (in_slice)
+        for (int w = 0; w < FC_MAX_WAITERS; w++)
+            if (d->wq[w].ticket && d->wq[w].proc == d->slice_proc &&
+                (best < 0 || d->wq[w].ticket < d->wq[best].ticket))
+                best = w;
+    /* When it has ended, another process goes first: the slice's own
+     * streams may hold older tickets, but they are the context whose
+     * turn is over. */
+    if (best < 0 && !in_slice)
+        for (int w = 0; w < FC_MAX_WAITERS; w++)
+            if (d->wq[w].ticket && d->wq[w].proc != d->slice_proc &&
+                (best < 0 || d->wq[w].ticket < d->wq[best].ticket))
+                best = w;
+    if (best < 0)
+        for (int w = 0; w < FC_MAX_WAITERS; w++)
+            if (d->wq[w].ticket && (best < 0 || d->wq[w].ticket < d->wq[best].ticket))
+                best = w;
+    return best;
+}
+
+/* Timer model: while the slice of d->slice_proc runs, its oldest waiter;
+ * otherwise (or when it has none) round robin: the first process after
+ * d->slice_proc in process entry order that waits (d->slice_proc itself
+ * last), its oldest waiter. */
+static int pick_timer_locked(const struct fc_dev *d, int in_slice)
+{
+    int cur = d->slice_proc;
+    int best = in_slice ? oldest_locked(d, cur, 0) : -1;
+    if (best >= 0)
+        return best;
+    int bestd = 0;
+    for (int w = 0; w < FC_MAX_WAITERS; w++) {
+        if (!d->wq[w].ticket)
+            continue;
+        int dist = cur >= 0 ? (d->wq[w].proc - cur - 1 + FC_MAX_PROCS) % FC_MAX_PROCS : d->wq[w].proc;
+        if (best < 0 || dist < bestd || (dist == bestd && d->wq[w].ticket < d->wq[best].ticket)) {
+            best = w;
+            bestd = dist;
+        }
+    }
+    return best;
+}
+
+/* Timer model: a slice that has ended while its process kept the device
+ * (nobody else waited) is followed at once by the next one: the slice
+ * clock is free-running from when the process got the device. */
+static void timer_renew_locked(struct fc_dev *d, uint64_t now)
+{
+    if (now >= d->slice_end_ns && d->slice_ns)
+        d->slice_end_ns += ((now - d->slice_end_ns) / d->slice_ns + 1) * d->slice_ns;
+}
+
+/* Hands the device to the live waiter the device model picks (or leaves it
+ * idle). */
 static void grant_next_locked(struct fc_dev *d)
 {
     uint64_t now = fc_now_ns();
-    /* A process's own streams are one context: while no other process
-     * waits, its slice goes on, as when nobody waits at all. */
-    if (d->slice_proc >= 0 && !others_wait_locked(d, d->slice_proc))
-        d->slice_end_ns = now + d->slice_ns;
-    int in_slice = d->slice_proc >= 0 && now < d->slice_end_ns;
+    int in_slice = 0;
+    if (d->model == FC_MODEL_SLICE) {
+        /* A process's own streams are one context: while no other process
+         * waits, its slice goes on, as when nobody waits at all. */
+        if (d->slice_proc >= 0 && !others_wait_locked(d, d->slice_proc))
+            d->slice_end_ns = now + d->slice_ns;
+        in_slice = d->slice_proc >= 0 && now < d->slice_end_ns;
+    } else if (d->model == FC_MODEL_TIMER) {
+        in_slice = d->slice_proc >= 0 && now < d->slice_end_ns;
+    }
     for (;;) {
-        int best = -1;
-        /* While a process's time slice runs, its own waiters go first (a
-         * real GPU switches contexts at slice boundaries, not per kernel). */
-        if (in_slice)
-            for (int w = 0; w < FC_MAX_WAITERS; w++)
-                if (d->wq[w].ticket && d->wq[w].proc == d->slice_proc &&
-                    (best < 0 || d->wq[w].ticket < d->wq[best].ticket))
-                    best = w;
-        /* When it has ended, another process goes first: the slice's own
-         * streams may hold older tickets, but they are the context whose
-         * turn is over. */
-        if (best < 0 && !in_slice)
-            for (int w = 0; w < FC_MAX_WAITERS; w++)
-                if (d->wq[w].ticket && d->wq[w].proc != d->slice_proc &&
-                    (best < 0 || d->wq[w].ticket < d->wq[best].ticket))
-                    best = w;
-        if (best < 0)
-            for (int w = 0; w < FC_MAX_WAITERS; w++)
-                if (d->wq[w].ticket && (best < 0 || d->wq[w].ticket < d->wq[best].ticket))
-                    best = w;
+        int best;
+        if (d->model == FC_MODEL_TIMER)
+            best = pick_timer_locked(d, in_slice);
+        else if (d->model == FC_MODEL_KERNEL)
+            /* after each kernel, the longest waiting kernel of another
+             * process; the holder's own streams only when none waits */
+            best = d->slice_proc >= 0 && others_wait_locked(d, d->slice_proc) ? oldest_locked(d, d->slice_proc, 1)
+                                                                             : oldest_locked(d, -1, 0);
+        else
+            best = pick_slice_locked(d, in_slice);
         if (best < 0) {
             d->owner_ticket = 0;
             d->owner_proc = -1;
@@ -414,6 +524,7 @@ static void grant_next_locked(struct fc_dev *d)
         }
         break;
     }
+    trace_locked(d, d->owner_proc, now);
     __atomic_add_fetch(&d->seq, 1, __ATOMIC_SEQ_CST);
     futex(&d->seq, FUTEX_WAKE, INT_MAX, NULL);
 }
@@ -431,6 +542,7 @@ uint64_t fc_exec_acquire(struct fc_dev *d, int proc, uint64_t *since)
             d->slice_proc = proc;
             d->slice_end_ns = fc_now_ns() + d->slice_ns;
         }
+        trace_locked(d, proc, *since);
         fc_dev_unlock(d);
         return t;
     }
@@ -503,6 +615,7 @@ void fc_exec_release(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_
         } else {
             d->owner_ticket = 0;
             d->owner_proc = -1;
+            trace_locked(d, -1, fc_now_ns());
         }
     }
     fc_dev_unlock(d);
@@ -518,7 +631,31 @@ int fc_exec_continue(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_
     account_locked(d, proc, busy_ns, 0, 0);
     uint64_t now = fc_now_ns();
     int keep = 0;
-    if (d->nwait == 0) {
+    if (d->model == FC_MODEL_TIMER) {
+        if (d->nwait == 0) {
+            keep = 1; /* nobody waits: the slice (free-running) goes on */
+            d->slice_proc = proc;
+            timer_renew_locked(d, now);
+            d->turn_end_ns = now + d->slice_ns;
+        } else if (d->slice_proc == proc && !others_wait_locked(d, proc)) {
+            /* Only this process's other streams wait: its slices go on;
+             * its streams take turns of a slice's length. */
+            timer_renew_locked(d, now);
+            keep = now < d->turn_end_ns;
+        } else if (d->slice_proc == proc && now < d->slice_end_ns) {
+            keep = 1; /* inside the slice, the process keeps the device */
+        }
+    } else if (d->model == FC_MODEL_KERNEL) {
+        if (d->nwait == 0) {
+            keep = 1;
+            d->slice_proc = proc;
+            d->slice_end_ns = now + d->slice_ns;
+            d->turn_end_ns = d->slice_end_ns;
+        } else if (!others_wait_locked(d, proc)) {
+            keep = now < d->turn_end_ns; /* own streams only: turns, as in the slice model */
+        }
+        /* another process waits: it gets the device after each kernel */
+    } else if (d->nwait == 0) {
         keep = 1; /* nobody waits: the slice goes on */
         d->slice_proc = proc;
         d->slice_end_ns = now + d->slice_ns;
@@ -534,6 +671,35 @@ int fc_exec_continue(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_
     }
     if (!keep)
         grant_next_locked(d);
+    fc_dev_unlock(d);
+    return keep;
+}
+
+uint64_t fc_exec_slice_end(struct fc_dev *d, uint64_t ticket)
+{
+    fc_dev_lock(d);
+    uint64_t end = d->owner_ticket == ticket ? d->slice_end_ns : 0;
+    fc_dev_unlock(d);
+    return end;
+}
+
+int fc_exec_preempt(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns, uint64_t kernel_ns,
+                    uint64_t *slice_end)
+{
+    fc_dev_lock(d);
+    if (d->owner_ticket != ticket) {
+        fc_dev_unlock(d);
+        return 0;
+    }
+    account_locked(d, proc, busy_ns, kernel_ns, 0);
+    int keep = !others_wait_locked(d, proc);
+    if (keep) {
+        /* its own streams waiting do not count: one context */
+        timer_renew_locked(d, fc_now_ns());
+        *slice_end = d->slice_end_ns;
+    } else {
+        grant_next_locked(d); /* the slice has ended: round robin */
+    }
     fc_dev_unlock(d);
     return keep;
 }

@@ -9,9 +9,10 @@
  *
  * Locking: d->mu is a process-shared robust mutex that guards every field
  * below it; it is held only for short bookkeeping.  Kernel execution is a
- * logical ownership (owner_ticket) handed over in FIFO order, so that waiting
- * processes are served fairly; a dead owner is detected through its process
- * entry (see fc_proc.alive).
+ * logical ownership (owner_ticket) handed over by the device model (slice,
+ * timer or kernel: README.md, "Device models"), so that waiting processes
+ * are served fairly; a dead owner is detected through its process entry
+ * (see fc_proc.alive).
  */
 #ifndef FC_STATE_H
 #define FC_STATE_H
@@ -23,10 +24,14 @@
 #define FC_MAX_PROCS 1024
 #define FC_MAX_WAITERS 256
 #define FC_MAGIC 0x41445543454b4146ULL /* "FAKECUDA" */
-#define FC_LAYOUT 4
+#define FC_LAYOUT 5
+#define FC_TRACE 4096 /* ownership changes kept in fc_dev.trace */
 #define FC_NAME_LEN 96
 
 enum { FC_PROC_FREE = 0, FC_PROC_ALIVE = 1, FC_PROC_DEAD = 2 };
+
+/* How the device passes between processes (FAKECUDA_DEVICE_MODEL). */
+enum { FC_MODEL_SLICE = 0, FC_MODEL_TIMER = 1, FC_MODEL_KERNEL = 2 };
 
 struct fc_proc {
     /* Robust mutex locked for its whole life by the process's keeper thread:
@@ -39,6 +44,14 @@ struct fc_proc {
     uint64_t mem_used;
     uint64_t kernels;
     uint64_t kernel_ns; /* time its kernels ran */
+};
+
+/* One change of the process holding the device: from t_ns on, proc held it
+ * (-1: nobody).  A stream of the same process taking over is no change. */
+struct fc_trace_ent {
+    uint64_t t_ns;
+    int32_t proc;
+    int32_t pad;
 };
 
 struct fc_waiter {
@@ -54,6 +67,8 @@ struct fc_dev {
     uint64_t size;
     char name[FC_NAME_LEN];
     uint64_t mem_total;
+    uint32_t model;        /* FC_MODEL_*, fixed by the creator */
+    uint32_t pad0;
     pthread_mutex_t mu;
     /* guarded by mu */
     uint64_t mem_used;
@@ -67,11 +82,13 @@ struct fc_dev {
     uint32_t seq; /* futex word: bumped on every hand-over */
     int32_t slice_proc;    /* process whose time slice runs; -1: none */
     uint64_t slice_end_ns; /* when that slice ends (CLOCK_MONOTONIC) */
-    uint64_t slice_ns;     /* FAKECUDA_TIMESLICE_US, in ns */
+    uint64_t slice_ns;     /* FAKECUDA_TIMESLICE_US, in ns (fixed by the creator) */
     uint64_t turn_end_ns;  /* when the holding stream's turn among its process's streams ends */
     uint64_t handed_ns;    /* when grant_next_locked last handed the device on */
     int32_t handed_from;   /* the process that held it then; -1: none */
     int32_t pad;
+    uint64_t ntrace; /* ownership changes recorded; the last FC_TRACE are in trace */
+    struct fc_trace_ent trace[FC_TRACE];
     struct fc_waiter wq[FC_MAX_WAITERS];
     struct fc_proc procs[FC_MAX_PROCS];
 };
@@ -81,6 +98,11 @@ const char *fc_env_state_dir(void);
 int fc_env_devices(void);
 uint64_t fc_env_memory_bytes(void);
 const char *fc_env_name(void);
+/* FAKECUDA_DEVICE_MODEL as FC_MODEL_* (unset or empty: slice); -1 for an
+ * unknown value, which *bad then points to. */
+int fc_env_model(const char **bad);
+/* "slice", "timer", "kernel" ("?" for anything else). */
+const char *fc_model_name(uint32_t model);
 
 /* GPU-5a1e0000-0000-4000-8000-<index as 12 hex digits>. */
 void fc_uuid_bytes(int index, unsigned char out[16]);
@@ -111,7 +133,8 @@ uint64_t fc_self_pidns(void);
  * the entry or -1. */
 int fc_proc_register(struct fc_dev *d, int pid, uint64_t pidns);
 
-/* Exclusive kernel execution, FIFO among waiters.  *since: when the caller's
+/* Exclusive kernel execution; who gets the device next is the device
+ * model's choice (grant_next_locked in fc_state.c).  *since: when the caller's
  * hold began for accounting: now, or when the device was handed to it by
  * another stream of its own process (the hand-over is that process's time:
  * its context never left the device, as its streams run concurrently on a
@@ -124,12 +147,27 @@ void fc_exec_account(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_
 /* Releases the device; busy_ns: time held since the last record. */
 void fc_exec_release(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns);
 /* Before the next kernel of one stream: records busy_ns as fc_exec_release
- * does and returns 1 if the caller may keep the device for it (nobody
- * waits: the slice is renewed; only its process's other streams wait and
- * its turn among them runs: the slice is renewed too; another process waits
- * and its process's slice runs); otherwise hands the device on and
- * returns 0. */
+ * does and returns 1 if the caller may keep the device for it, otherwise
+ * hands the device on and returns 0.  Slice model: keeps it if nobody waits
+ * (the slice is renewed), if only its process's other streams wait and its
+ * turn among them runs (the slice is renewed too), or if another process
+ * waits and its process's slice runs.  Timer model: the same, except that
+ * the slice is never renewed, only followed by the next one once it has
+ * ended.  Kernel model: keeps it if nobody waits or, while only its own
+ * streams wait, in its turn; never while another process waits. */
 int fc_exec_continue(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns);
+/* Timer model: when the caller's slice ends (CLOCK_MONOTONIC ns), where its
+ * running kernel must call fc_exec_preempt; 0 if it no longer holds the
+ * device. */
+uint64_t fc_exec_slice_end(struct fc_dev *d, uint64_t ticket);
+/* Timer model, at the end of the caller's slice inside a kernel: records
+ * busy_ns as fc_exec_release does and kernel_ns as the kernel's time so far
+ * (not counted as a kernel); if another process waits, hands the device on
+ * (round robin) and returns 0, the kernel then queues again for the rest of
+ * its time; otherwise a new slice begins for the caller, *slice_end is its
+ * end, and it returns 1. */
+int fc_exec_preempt(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns, uint64_t kernel_ns,
+                    uint64_t *slice_end);
 
 /* Device memory accounting: 0, or -1 when over the device total. */
 int fc_mem_reserve(struct fc_dev *d, int proc, uint64_t bytes);

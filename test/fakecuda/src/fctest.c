@@ -6,7 +6,9 @@
  */
 #define _GNU_SOURCE
 #include "mgpu_cuda.h"
+#include "fc_state.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -420,10 +422,159 @@ static int t_slice(void)
     return 0;
 }
 
+/* cuInit's result (an unknown FAKECUDA_DEVICE_MODEL is refused). */
+static int t_init(void)
+{
+    CUresult r = cuInit(0);
+    int n = -1;
+    CUresult r2 = cuDeviceGetCount(&n);
+    printf("init_result=%d\ncount_result=%d\ncount=%d\n", (int)r, (int)r2, n);
+    return 0;
+}
+
+static void write_all(int fd, const char *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        CHECK(w > 0);
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+/* One process of t_share: count kernels of us microseconds on one stream,
+ * an event before the first and after each; prints each kernel's time
+ * between its events (whatever else ran on the device in between counts). */
+static void share_child(int k, uint64_t us, int count, int readyfd, int gofd)
+{
+    setup();
+    CUstream s;
+    OK(cuStreamCreate(&s, 0));
+    CUevent *ev = calloc((size_t)count + 1, sizeof(*ev));
+    CHECK(ev != NULL);
+    for (int i = 0; i <= count; i++)
+        OK(cuEventCreate(&ev[i], 0));
+    char c = 'r';
+    CHECK(write(readyfd, &c, 1) == 1);
+    CHECK(read(gofd, &c, 1) == 1);
+    uint64_t ns = us * 1000ULL;
+    void *p[] = {&ns};
+    OK(cuEventRecord(ev[0], s));
+    for (int i = 0; i < count; i++) {
+        OK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s, p, NULL));
+        OK(cuEventRecord(ev[i + 1], s));
+    }
+    OK(cuStreamSynchronize(s));
+    size_t cap = 128 + (size_t)count * 48, len = 0; /* %.0f of a float: at most 40 digits */
+    char *buf = malloc(cap);
+    CHECK(buf != NULL);
+    float ms = 0;
+    OK(cuEventElapsedTime(&ms, ev[0], ev[count]));
+    len += (size_t)snprintf(buf + len, cap - len, "c%d.elapsed_us=%.0f\nc%d.gaps_us=", k, ms * 1e3, k);
+    for (int i = 0; i < count; i++) {
+        OK(cuEventElapsedTime(&ms, ev[i], ev[i + 1]));
+        CHECK(len < cap);
+        len += (size_t)snprintf(buf + len, cap - len, "%s%.0f", i ? "," : "", ms * 1e3);
+    }
+    CHECK(len < cap);
+    len += (size_t)snprintf(buf + len, cap - len, "\n");
+    CHECK(len < cap);
+    write_all(1, buf, len);
+    _exit(0);
+}
+
+/* n processes start together (on a word from this one, which does not use
+ * CUDA) and each runs share_child's kernels.  Then this one reads from the
+ * device state who held the device when (its ownership trace) and each
+ * process's counters:
+ *   runs=WHO@START+DUR,...  WHO: the process's number, '-' for nobody;
+ *                           START, DUR: us from the word to start
+ *   c<k>.kernel_ns= c<k>.busy_ns= c<k>.kernels=
+ * The Go tests judge the numbers against the device model. */
+static int t_share(int n, uint64_t us, int count)
+{
+    enum { MAXN = 8 };
+    CHECK(n >= 1 && n <= MAXN && count >= 1 && count <= 1000 && us > 0);
+    struct fc_dev *d = fc_dev_open(0, 1);
+    if (!d) {
+        printf("FAIL device state: %s\n", strerror(errno));
+        exit(1);
+    }
+    fflush(stdout);
+    int ready[2], go[MAXN][2];
+    pid_t pids[MAXN];
+    CHECK(pipe(ready) == 0);
+    for (int k = 0; k < n; k++) {
+        CHECK(pipe(go[k]) == 0);
+        pids[k] = fork();
+        CHECK(pids[k] >= 0);
+        if (pids[k] == 0)
+            share_child(k, us, count, ready[1], go[k][0]);
+    }
+    for (int k = 0; k < n; k++) {
+        char c;
+        CHECK(read(ready[0], &c, 1) == 1);
+    }
+    fc_dev_lock(d);
+    uint64_t n0 = d->ntrace;
+    fc_dev_unlock(d);
+    uint64_t t_go = now_ns();
+    for (int k = 0; k < n; k++)
+        CHECK(write(go[k][1], "g", 1) == 1);
+    int failed = 0;
+    for (int k = 0; k < n; k++) {
+        int st = 0;
+        CHECK(waitpid(pids[k], &st, 0) == pids[k]);
+        if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+            failed = 1;
+    }
+    CHECK(!failed);
+    static struct fc_trace_ent tr[FC_TRACE];
+    int entry[MAXN];
+    fc_dev_lock(d);
+    uint64_t n1 = d->ntrace;
+    if (n1 - n0 > FC_TRACE)
+        n0 = n1 - FC_TRACE;
+    for (uint64_t i = n0; i < n1; i++)
+        tr[i - n0] = d->trace[i % FC_TRACE];
+    for (int k = 0; k < n; k++) {
+        entry[k] = -1;
+        for (int i = 0; i < FC_MAX_PROCS; i++)
+            if (d->procs[i].state != FC_PROC_FREE && d->procs[i].pid == pids[k])
+                entry[k] = i;
+        CHECK(entry[k] >= 0);
+        struct fc_proc *p = &d->procs[entry[k]];
+        printf("c%d.kernel_ns=%llu\nc%d.busy_ns=%llu\nc%d.kernels=%llu\n", k, (unsigned long long)p->kernel_ns, k,
+               (unsigned long long)p->busy_ns, k, (unsigned long long)p->kernels);
+    }
+    printf("model=%s\ntimeslice_ns=%llu\n", fc_model_name(d->model), (unsigned long long)d->slice_ns);
+    fc_dev_unlock(d);
+    printf("runs=");
+    for (uint64_t i = 0; i < n1 - n0; i++) {
+        int who = -1;
+        for (int k = 0; k < n; k++)
+            if (tr[i].proc >= 0 && tr[i].proc == entry[k])
+                who = k;
+        uint64_t dur = i + 1 < n1 - n0 ? tr[i + 1].t_ns - tr[i].t_ns : 0;
+        char w[16] = "-";
+        if (who >= 0)
+            snprintf(w, sizeof(w), "%d", who);
+        printf("%s%s@%.0f+%.0f", i ? "," : "", w, ((double)tr[i].t_ns - (double)t_go) / 1e3, (double)dur / 1e3);
+    }
+    printf("\nshare=ok\n");
+    fc_dev_close(d);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc == 5 && !strcmp(argv[1], "share"))
+        return t_share(atoi(argv[2]), strtoull(argv[3], NULL, 10), atoi(argv[4]));
     if (argc != 2) {
-        fprintf(stderr, "usage: fctest async|procaddr|ptsz|graph|memory|slice\n");
+        fprintf(stderr, "usage: fctest async|procaddr|ptsz|graph|memory|slice|init\n"
+                        "       fctest share PROCESSES KERNEL_US KERNELS\n");
         return 2;
     }
     int r = 2;
@@ -439,5 +590,7 @@ int main(int argc, char **argv)
         r = t_memory();
     else if (!strcmp(argv[1], "slice"))
         r = t_slice();
+    else if (!strcmp(argv[1], "init"))
+        r = t_init();
     return r;
 }
