@@ -24,6 +24,7 @@ import (
 	"github.com/mgpu-dev/mgpu/enforcer/arbiter"
 	"github.com/mgpu-dev/mgpu/internal/policy"
 	"github.com/mgpu-dev/mgpu/test/e2e"
+	"github.com/mgpu-dev/mgpu/test/fakecuda"
 	"github.com/mgpu-dev/mgpu/test/harness"
 )
 
@@ -40,7 +41,12 @@ type bench struct {
 	rounds int
 	window time.Duration
 	hookN  int
+	models []string // device models of the share section
 }
+
+// benchModels are the simulated device models the share section runs under
+// by default: every model of DESIGN.md "The simulated GPU".
+var benchModels = []string{"slice", "timer:1ms", "timer:2ms", "kernel"}
 
 func (b *bench) report(name string, value float64, unit, target string) {
 	b.rows = append(b.rows, row{name, value, unit, target})
@@ -52,8 +58,18 @@ func main() {
 	hookN := flag.Int("hook-containers", 20, "containers per variant (with and without the hooks) and engine in the hook section")
 	rounds := flag.Int("rounds", 5, "interleaved rounds per side-by-side measurement")
 	win := flag.Duration("window", 4*time.Second, "measurement window of each share case")
+	models := flag.String("models", strings.Join(benchModels, ","), "comma-separated simulated device models of the share section (slice, timer:1ms, timer:2ms, kernel)")
 	flag.Parse()
 	b := &bench{out: os.Stdout, rounds: *rounds, window: *win, hookN: *hookN}
+	for _, m := range strings.Split(*models, ",") {
+		if m = strings.TrimSpace(m); m != "" {
+			if _, _, err := fakecuda.ParseModel(m); err != nil {
+				fmt.Fprintf(os.Stderr, "mgpu-bench: -models: %v\n", err)
+				os.Exit(2)
+			}
+			b.models = append(b.models, m)
+		}
+	}
 	sections := []struct {
 		name string
 		fn   func() error
@@ -342,15 +358,31 @@ func (b *bench) processStart() error {
 // splits are the cores of the share cases: n instances saturating one GPU.
 var splits = map[int][]int{2: {30, 70}, 3: {20, 30, 50}, 4: {10, 20, 30, 40}, 8: {5, 5, 10, 10, 15, 15, 20, 20}}
 
+// mixedKernels are the kernel lengths (µs) of the mixed cases, instance i
+// taking mixedKernels[i % len]: 50 µs to 8 ms side by side.
+var mixedKernels = []int{100, 8000, 500, 2000, 50, 1000, 200, 5000}
+
+// shareError reports, per policy and device model, the worst share error
+// of n instances with equal kernels (200 µs; n = 2, 3, 4, 8) and with mixed
+// kernel lengths (n = 2, 8: share_error_<policy>_<model>_<n>_mixed).
 func (b *bench) shareError() error {
-	for _, p := range []policy.Policy{policy.FixedShare, policy.GuaranteedBurstShare, policy.NativeBurstShare} {
-		for _, k := range []int{2, 3, 4, 8} {
-			cores := splits[k]
-			worst, err := b.shareCase(p, cores)
-			if err != nil {
-				return err
+	for _, m := range b.models {
+		name := strings.ReplaceAll(m, ":", "")
+		for _, p := range []policy.Policy{policy.FixedShare, policy.GuaranteedBurstShare, policy.NativeBurstShare} {
+			for _, k := range []int{2, 3, 4, 8} {
+				worst, err := b.shareCase(p, m, splits[k], nil)
+				if err != nil {
+					return err
+				}
+				b.report(fmt.Sprintf("share_error_%s_%s_%d", p, name, k), worst, "points", "<= 2")
 			}
-			b.report(fmt.Sprintf("share_error_%s_%d", p, k), worst, "points", "<= 2")
+			for _, k := range []int{2, 8} {
+				worst, err := b.shareCase(p, m, splits[k], mixedKernels)
+				if err != nil {
+					return err
+				}
+				b.report(fmt.Sprintf("share_error_%s_%s_%d_mixed", p, name, k), worst, "points", "<= 2")
+			}
 		}
 	}
 	return nil
@@ -359,8 +391,10 @@ func (b *bench) shareError() error {
 // shareCase runs saturating workloads with the given cores and returns the
 // largest |achieved − target| in points. Targets: fixed and guaranteed, the
 // core (Σ = 100); native, core/Σcore.
-func (b *bench) shareCase(p policy.Policy, cores []int) (float64, error) {
-	n, err := harness.NewNode(harness.NodeConfig{Policies: map[int]policy.Policy{0: p}})
+//
+// kernels (µs, by instance modulo its length) nil means 200 µs for all.
+func (b *bench) shareCase(p policy.Policy, model string, cores, kernels []int) (float64, error) {
+	n, err := harness.NewNode(harness.NodeConfig{Policies: map[int]policy.Policy{0: p}, DeviceModel: model})
 	if err != nil {
 		return 0, err
 	}
@@ -373,8 +407,13 @@ func (b *bench) shareCase(p policy.Policy, cores []int) (float64, error) {
 	sum := 0
 	for i, c := range cores {
 		sum += c
+		k, depth := 200, 16
+		if kernels != nil {
+			k = kernels[i%len(kernels)]
+			depth = max(2, 4000/k) // about 4 ms of work in flight
+		}
 		j, err := n.Start(harness.RunSpec{Device: 0, Core: c, MemoryMiB: 1024,
-			Args: []string{"compute", "--api", "launch", "--kernel-us", "200", "--depth", "16", "--seconds", fmt.Sprintf("%.1f", secs)}})
+			Args: []string{"compute", "--api", "launch", "--kernel-us", strconv.Itoa(k), "--depth", strconv.Itoa(depth), "--seconds", fmt.Sprintf("%.1f", secs)}})
 		if err != nil {
 			return 0, err
 		}

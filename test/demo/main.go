@@ -20,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mgpu-dev/mgpu/internal/policy"
+	"github.com/mgpu-dev/mgpu/test/fakecuda"
 	"github.com/mgpu-dev/mgpu/test/harness"
 )
 
@@ -87,21 +88,27 @@ func scenarios(unit time.Duration) []scenario {
 func main() {
 	unit := flag.Duration("unit", 2*time.Second, "length unit of the scenarios (each lasts 4-6 units)")
 	kernel := flag.Int("kernel-us", 500, "kernel length of the workloads, microseconds")
+	model := flag.String("device-model", "slice", "how the simulated GPU interleaves processes: slice, timer (2 ms), timer:1ms, kernel (test/fakecuda/README.md)")
 	flag.Parse()
+	if _, _, err := fakecuda.ParseModel(*model); err != nil {
+		fmt.Fprintf(os.Stderr, "mgpu-demo: --device-model: %v\n", err)
+		os.Exit(2)
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, os.Stdout, *unit, *kernel); err != nil {
+	if err := run(ctx, os.Stdout, *unit, *kernel, *model); err != nil {
 		fmt.Fprintf(os.Stderr, "mgpu-demo: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, w io.Writer, unit time.Duration, kernelUS int) error {
+func run(ctx context.Context, w io.Writer, unit time.Duration, kernelUS int, model string) error {
 	tty := isTTY(w)
+	fmt.Fprintf(w, "simulated GPU: device model %s, kernels of %d µs\n", model, kernelUS)
 	var results []result
 	for _, sc := range scenarios(unit) {
 		fmt.Fprintf(w, "\n== %s\n", sc.title)
-		r, err := runScenario(ctx, w, tty, sc, kernelUS)
+		r, err := runScenario(ctx, w, tty, sc, kernelUS, model)
 		if err != nil {
 			return fmt.Errorf("%s: %w", sc.policy, err)
 		}
@@ -119,8 +126,8 @@ func run(ctx context.Context, w io.Writer, unit time.Duration, kernelUS int) err
 	return nil
 }
 
-func runScenario(ctx context.Context, w io.Writer, tty bool, sc scenario, kernelUS int) ([]result, error) {
-	n, err := harness.NewNode(harness.NodeConfig{Policies: map[int]policy.Policy{0: sc.policy}})
+func runScenario(ctx context.Context, w io.Writer, tty bool, sc scenario, kernelUS int, model string) ([]result, error) {
+	n, err := harness.NewNode(harness.NodeConfig{Policies: map[int]policy.Policy{0: sc.policy}, DeviceModel: model})
 	if err != nil {
 		return nil, err
 	}

@@ -37,6 +37,10 @@ type NodeConfig struct {
 	// ASan uses the ASan/UBSan build of the shim (build/lib/asan), with
 	// libasan preloaded before it as the sanitizer requires.
 	ASan bool
+	// DeviceModel is the simulated GPU's device model, as
+	// fakecuda.ParseModel reads it: "slice" (the default), "timer",
+	// "timer:1ms", "kernel" (test/fakecuda/README.md, "Device models").
+	DeviceModel string
 	// ExtraEnv is added to every workload's environment.
 	ExtraEnv []string
 	// Log receives the enforcers' logs (default: discarded).
@@ -56,11 +60,12 @@ type Node struct {
 	Shim       string // libmgpu-shim.so
 	libasan    string // preloaded before an ASan build of the shim
 
-	nc     NodeConfig
-	mu     sync.Mutex
-	enf    Enforcers
-	jobs   []*Job
-	shells []*Shell
+	nc       NodeConfig
+	modelEnv []string // the device model's environment
+	mu       sync.Mutex
+	enf      Enforcers
+	jobs     []*Job
+	shells   []*Shell
 }
 
 // NewNode writes the configuration of a simulated node under a new
@@ -72,11 +77,16 @@ func NewNode(nc NodeConfig) (*Node, error) {
 	if nc.MemoryMiB == 0 {
 		nc.MemoryMiB = 81920
 	}
+	model, sliceUS, err := fakecuda.ParseModel(nc.DeviceModel)
+	if err != nil {
+		return nil, fmt.Errorf("harness: %w", err)
+	}
 	build, err := fakecuda.BuildDir()
 	if err != nil {
 		return nil, err
 	}
 	n := &Node{
+		modelEnv: fakecuda.ModelEnv(model, sliceUS),
 		Build:    build,
 		Paths:    fakecuda.PathsIn(build),
 		CLI:      filepath.Join(build, "bin", "mgpu-cli"),
@@ -140,6 +150,7 @@ func (n *Node) Env(extra ...string) []string {
 		"FAKECUDA_DEVICES="+strconv.Itoa(n.nc.Devices),
 		fmt.Sprintf("FAKECUDA_MEMORY_MIB=%d", n.nc.MemoryMiB),
 		"MGPU_CONFIG="+n.ConfigPath)
+	base = append(base, n.modelEnv...)
 	base = append(base, n.nc.ExtraEnv...)
 	return append(base, extra...)
 }

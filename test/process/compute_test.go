@@ -39,6 +39,14 @@ func measureShares(t *testing.T, p policy.Policy, loads []load, warm, win time.D
 // policy from nc.Policies).
 func measureSharesOn(t *testing.T, nc harness.NodeConfig, loads []load, warm, win time.Duration) []float64 {
 	t.Helper()
+	shares, _ := measureSharesDev(t, nc, loads, warm, win)
+	return shares
+}
+
+// measureSharesDev is measureSharesOn that also returns the device's busy
+// share (percent) over the window.
+func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, win time.Duration) ([]float64, float64) {
+	t.Helper()
 	p := nc.Policies[0]
 	n := newNode(t, nc)
 	secs := (warm + win + 5*time.Second).Seconds()
@@ -81,8 +89,13 @@ func measureSharesOn(t *testing.T, nc harness.NodeConfig, loads []load, warm, wi
 		}
 		shares[i] = harness.Share(a, b, 0, map[int]bool{pr.PID: true})
 	}
-	t.Logf("%s shares over %v: %v (device %.2f%%)", p, win, round(shares), harness.Share(a, b, 0, nil))
-	return shares
+	dev := harness.Share(a, b, 0, nil)
+	model := nc.DeviceModel
+	if model == "" {
+		model = "slice"
+	}
+	t.Logf("%s shares over %v (device model %s): %v (device %.2f%%)", p, win, model, round(shares), dev)
+	return shares, dev
 }
 
 func round(v []float64) []string {
@@ -142,7 +155,11 @@ func TestFixedShareASan(t *testing.T) {
 }
 
 func TestFixedShareLoneInstanceCapped(t *testing.T) {
-	shares := measureShares(t, policy.FixedShare, []load{{30, saturating("launch", 100, 64)}}, time.Second, window())
+	forEachModel(t, testFixedShareLoneInstanceCapped)
+}
+
+func testFixedShareLoneInstanceCapped(t *testing.T, model string) {
+	shares := measureSharesOn(t, onModel(policy.FixedShare, model), []load{{30, saturating("launch", 100, 64)}}, time.Second, window())
 	if shares[0] > 30+epsilon {
 		t.Errorf("a lone 30%% instance used %.2f%% of an otherwise idle GPU, want <= %.0f", shares[0], 30+epsilon)
 	}
@@ -152,16 +169,21 @@ func TestFixedShareLoneInstanceCapped(t *testing.T) {
 }
 
 func TestNativeBurstShare(t *testing.T) {
-	shares := measureShares(t, policy.NativeBurstShare, []load{{1, saturating("launch", 100, 64)}, {3, saturating("launch", 100, 64)}}, time.Second, window())
-	within(t, "weight 1", shares[0], 25)
-	within(t, "weight 3", shares[1], 75)
+	forEachModel(t, func(t *testing.T, model string) {
+		shares, dev := measureSharesDev(t, onModel(policy.NativeBurstShare, model), []load{{1, saturating("launch", 100, 64)}, {3, saturating("launch", 100, 64)}}, time.Second, window())
+		within(t, "weight 1", shares[0], 25)
+		within(t, "weight 3", shares[1], 75)
+		busyAtLeast(t, dev, 97)
+	})
 }
 
 // TestGuaranteedBurstShare: 30/70 with the 70 idle → the 30 gets >= 95 % of
 // the device; when the 70 resumes it gets >= 68 % measured over
 // some 50 ms window ending by 100 ms after its first launch, and keeps it.
-func TestGuaranteedBurstShare(t *testing.T) {
-	n := newNode(t, harness.NodeConfig{Policies: map[int]policy.Policy{0: policy.GuaranteedBurstShare}})
+func TestGuaranteedBurstShare(t *testing.T) { forEachModel(t, testGuaranteedBurstShare) }
+
+func testGuaranteedBurstShare(t *testing.T, model string) {
+	n := newNode(t, onModel(policy.GuaranteedBurstShare, model))
 	const idle = 4 * time.Second
 	sa, err := n.Shell(0, 30, 1024)
 	if err != nil {

@@ -1,0 +1,102 @@
+package process
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mgpu-dev/mgpu/internal/policy"
+	"github.com/mgpu-dev/mgpu/test/harness"
+)
+
+// allModels are the simulated GPU's device models the share suite runs
+// under (DESIGN.md, "The simulated GPU"): enforcement must not depend on
+// how the device interleaves the work of several processes.
+var allModels = []string{"slice", "timer:1ms", "timer:2ms", "kernel"}
+
+// deviceModels is the list of device models to run under:
+// MGPU_DEVICE_MODELS (comma separated, e.g. "timer:1ms,kernel"), default
+// all of them.
+func deviceModels() []string {
+	v := strings.TrimSpace(os.Getenv("MGPU_DEVICE_MODELS"))
+	if v == "" {
+		return allModels
+	}
+	var out []string
+	for _, m := range strings.Split(v, ",") {
+		if m = strings.TrimSpace(m); m != "" {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// forEachModel runs f as one subtest per device model.
+func forEachModel(t *testing.T, f func(t *testing.T, model string)) {
+	for _, m := range deviceModels() {
+		t.Run(m, func(t *testing.T) { f(t, m) })
+	}
+}
+
+func onModel(p policy.Policy, model string) harness.NodeConfig {
+	return harness.NodeConfig{Policies: map[int]policy.Policy{0: p}, DeviceModel: model}
+}
+
+// TestFixedShareUnderDeviceModels: the fixed-share cases that break a
+// scheduler-dependent accounting: very different kernel lengths side by
+// side, many instances with mixed kernels and launch paths, graphs of
+// several kernels. Each instance within ±2 points over the window.
+func TestFixedShareUnderDeviceModels(t *testing.T) {
+	win := window()
+	resolve := func(how string, args []string) []string { return append([]string{"--resolve", how}, args...) }
+	cases := []struct {
+		name  string
+		loads []load
+	}{
+		{"30/70 500us", []load{{30, saturating("launch", 500, 8)}, {70, saturating("launch", 500, 8)}}},
+		{"20/30/50 1ms", []load{{20, saturating("launch", 1000, 4)}, {30, saturating("launch", 1000, 4)}, {50, saturating("launch", 1000, 4)}}},
+		{"30 8ms / 70 100us launchex", []load{{30, saturating("launchex", 8000, 2)}, {70, saturating("launchex", 100, 64)}}},
+		{"30 20ms / 70 50us", []load{{30, saturating("launch", 20000, 2)}, {70, saturating("launch", 50, 64)}}},
+		{"30 runtime 1ms / 70 graph 10x500us", []load{{30, resolve("runtime", saturating("launch", 1000, 4))}, {70, saturating("graph", 500, 2, "--graph-nodes", "10")}}},
+		{"six of 15 mixed", []load{
+			{15, saturating("launch", 50, 64)},
+			{15, resolve("proc", saturating("launch", 200, 16))},
+			{15, resolve("runtime", saturating("launch", 1000, 4))},
+			{15, saturating("launchex", 2000, 2)},
+			{15, saturating("graph", 100, 4, "--graph-nodes", "5")},
+			{15, saturating("coop", 500, 8)},
+		}},
+	}
+	forEachModel(t, func(t *testing.T, model string) {
+		for _, tc := range cases {
+			t.Run(tc.name, func(t *testing.T) {
+				shares, _ := measureSharesDev(t, onModel(policy.FixedShare, model), tc.loads, time.Second, win)
+				for i, l := range tc.loads {
+					within(t, fmt.Sprintf("instance %d (core %d, %s)", i, l.core, strings.Join(l.args, " ")), shares[i], float64(l.core))
+				}
+			})
+		}
+	})
+}
+
+// TestGuaranteedBurstBothBusy: guaranteed-burst-share 30/70, both
+// saturating with different kernels (500 µs launches against graphs of
+// 10 × 400 µs): each within ±2 and the device busy >= 97 %.
+func TestGuaranteedBurstBothBusy(t *testing.T) {
+	loads := []load{{30, saturating("launch", 500, 8)}, {70, saturating("graph", 400, 2, "--graph-nodes", "10")}}
+	forEachModel(t, func(t *testing.T, model string) {
+		shares, dev := measureSharesDev(t, onModel(policy.GuaranteedBurstShare, model), loads, time.Second, window())
+		within(t, "core 30", shares[0], 30)
+		within(t, "core 70", shares[1], 70)
+		busyAtLeast(t, dev, 97)
+	})
+}
+
+func busyAtLeast(t *testing.T, dev, floor float64) {
+	t.Helper()
+	if dev < floor {
+		t.Errorf("device busy %.2f%% with total demand >= 100 %%, want >= %.0f", dev, floor)
+	}
+}
