@@ -1,6 +1,7 @@
 package process
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"strconv"
@@ -73,6 +74,7 @@ func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, w
 		}
 	}
 	time.Sleep(warm) // settling time before the window, not synchronisation
+	ma := measured(t, n)
 	a, err := n.Sample()
 	if err != nil {
 		t.Fatal(err)
@@ -82,6 +84,7 @@ func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, w
 	if err != nil {
 		t.Fatal(err)
 	}
+	mb := measured(t, n)
 	shares := make([]float64, len(procs))
 	for i, pr := range procs {
 		if !pr.Alive() {
@@ -90,12 +93,38 @@ func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, w
 		shares[i] = harness.Share(a, b, 0, map[int]bool{pr.PID: true})
 	}
 	dev := harness.Share(a, b, 0, nil)
+	// What the enforcer charged, beside what the device ran: where a share
+	// is off, this says whether the accounting or the arbitration is.
+	charged := make([]float64, len(procs))
+	for i, pr := range procs {
+		charged[i] = 100 * float64(mb[pr.PID]-ma[pr.PID]) / float64(b.At.Sub(a.At))
+	}
+	t.Logf("measured by the shims (GPU time the enforcer charged): %v", round(charged))
 	model := nc.DeviceModel
 	if model == "" {
 		model = "slice"
 	}
 	t.Logf("%s shares over %v (device model %s): %v (device %.2f%%)", p, win, model, round(shares), dev)
 	return shares, dev
+}
+
+// measured returns the GPU time the shims measured per attached process
+// (host pid), from device 0's enforcer.
+func measured(t *testing.T, n *harness.Node) map[int]uint64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	st, err := n.Client(0).Stats(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[int]uint64{}
+	for _, in := range st {
+		for _, p := range in.Processes {
+			out[p.PID] = p.GPUNs
+		}
+	}
+	return out
 }
 
 func round(v []float64) []string {

@@ -49,6 +49,7 @@
 #define MGPU_MAX_PER_MARK 4096u
 #define MGPU_MAX_STREAMS 4096u
 #define MGPU_WAIT_SLICE_NS 1000000   /* futex timeout while waiting for a grant */
+#define MGPU_CLEAN_MIN 4             /* clean samples before clean_ns is trusted */
 
 #define KEY_LEGACY ((uintptr_t)CU_STREAM_LEGACY)
 #define KEY_PER_THREAD ((uintptr_t)CU_STREAM_PER_THREAD)
@@ -94,7 +95,8 @@ struct sstate {
     CUevent pool[MGPU_POOL];
     unsigned npool, nevents;
     uint64_t avg_ns;  /* mean GPU time per launch; 0: not measured yet */
-    uint64_t clean_ns; /* mean GPU time per launch of batches no other instance ran inside; 0: none yet */
+    uint64_t clean_ns; /* mean GPU time per launch of batches no other instance ran inside */
+    uint64_t clean_n;  /* samples in clean_ns (it is used from MGPU_CLEAN_MIN on) */
     uint64_t per_mark;
     uint64_t queued_ns; /* this stream's part of the device's queued_ns */
     /* queued_ns counts each launch at the estimate in force when it was
@@ -293,6 +295,7 @@ static void ss_reset(struct sstate *ss)
     ss->head = ss->count = ss->npool = ss->nevents = 0;
     ss->avg_ns = 0;
     ss->clean_ns = 0;
+    ss->clean_n = 0;
     ss->per_mark = 1;
     ss->queued_ns = 0;
     ss->cur_est = ss->est_total = ss->folded = ss->est_done = 0;
@@ -310,7 +313,10 @@ static uint64_t target_mark_ns(const struct mgpu_dev *d)
 static void fold(struct sstate *ss, uint64_t upto)
 {
     if (upto > ss->folded) {
-        ss->est_total += (upto - ss->folded) * ss->cur_est;
+        /* before the first measurement a launch counts 1 ns: queued_ns is
+         * then > 0 while anything is outstanding (the enforcer's contended
+         * word of the other instances depends on it) */
+        ss->est_total += (upto - ss->folded) * (ss->cur_est ? ss->cur_est : 1);
         ss->folded = upto;
     }
 }
@@ -343,10 +349,17 @@ static void learn(struct sstate *ss, uint64_t sample)
  * inside: an unbiased mean, what an interleaved batch is charged by. */
 static void learn_clean(struct sstate *ss, uint64_t sample)
 {
-    if (!ss->clean_ns)
-        ss->clean_ns = sample ? sample : 1;
-    else
-        ss->clean_ns = (7 * ss->clean_ns + sample + 4) / 8;
+    /* the mean of the first samples, then a moving average over about 8 */
+    uint64_t w = ss->clean_n < 8 ? ss->clean_n + 1 : 8;
+    ss->clean_ns = (ss->clean_ns * (w - 1) + sample + w / 2) / w;
+    ss->clean_n++;
+}
+
+/* GPU time per launch that an interleaved batch is charged at most: the
+ * clean mean once it has a few samples, else the (low-biased) estimate. */
+static uint64_t clean_est(const struct sstate *ss)
+{
+    return ss->clean_n >= MGPU_CLEAN_MIN ? ss->clean_ns : ss->avg_ns;
 }
 
 /* Processes the stream's completed marks, oldest first. */
@@ -383,29 +396,40 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
                 uint64_t first = 0;
                 int64_t k1;
                 if (m->idle && m->ref0 && elapsed_ns(m->ref0, m->ref, &k1) == 0 && k1 > 0) {
+                    /* Without another instance on the GPU the wait is only
+                     * the device taking the launch: k1 is what it took.
+                     * Otherwise k1 includes the wait behind (or between)
+                     * the other instance's work: an upper bound, charged at
+                     * most the clean estimate of one launch, which it may
+                     * lower, never raise. */
                     first = (uint64_t)k1;
-                    if (m->first_est && first > m->first_est)
-                        first = m->first_est;
-                    /* k1 includes any wait, so it is an upper bound: it may
-                     * seed the estimate or lower it, never raise it. */
-                    if (!ss->avg_ns || (uint64_t)k1 < ss->avg_ns)
-                        learn(ss, (uint64_t)k1);
+                    if (!cont) {
+                        learn(ss, first);
+                        learn_clean(ss, first);
+                    } else {
+                        uint64_t est = clean_est(ss) ? clean_est(ss) : m->first_est;
+                        if (est && first > est)
+                            first = est;
+                        if (!ss->avg_ns || (uint64_t)k1 < ss->avg_ns)
+                            learn(ss, (uint64_t)k1);
+                    }
                 }
                 if (dur > 0 || first) {
                     placed = 1;
                     uint64_t add = batch_time(ss, m->ref, m->end, (uint64_t)dur + first, first, m->contig, &kept);
                     /* Interleaved: charged no more than its launches take
                      * when nobody else runs (the clean estimate). */
-                    uint64_t est = ss->clean_ns ? ss->clean_ns : ss->avg_ns;
+                    uint64_t est = clean_est(ss);
                     if (cont && est && timed * est + first < add)
                         add = timed * est + first;
                     gpu += add;
 #ifdef MGPU_TRACE
                     struct timespec tts;
                     clock_gettime(CLOCK_MONOTONIC, &tts);
-                    fprintf(stderr, "mgpu-trace %d t=%llu n=%llu dur=%lld first=%llu avg=%llu add=%llu\n", (int)getpid(),
-                            (unsigned long long)tts.tv_sec * 1000000000ull + (unsigned long long)tts.tv_nsec, (unsigned long long)n, (long long)dur,
-                            (unsigned long long)first, (unsigned long long)ss->avg_ns, (unsigned long long)add);
+                    fprintf(stderr, "mgpu-trace %d t=%llu n=%llu dur=%lld first=%llu avg=%llu clean=%llu cont=%d idle=%d add=%llu\n",
+                            (int)getpid(), (unsigned long long)tts.tv_sec * 1000000000ull + (unsigned long long)tts.tv_nsec,
+                            (unsigned long long)n, (long long)dur, (unsigned long long)first, (unsigned long long)ss->avg_ns,
+                            (unsigned long long)ss->clean_ns, cont, m->idle, (unsigned long long)add);
 #endif
                 }
             }
