@@ -41,7 +41,8 @@ import (
 
 // Defaults of the options.
 const (
-	DefaultActiveTick    = arbiter.DefaultTick    // while anything has demand or a grant
+	DefaultActiveTick    = arbiter.DefaultTick    // shortest interval while anything has demand or a grant
+	DefaultMaxActiveTick = 4 * time.Millisecond   // longest interval then (what the arbiter cannot foresee is noticed within it)
 	DefaultIdleTick      = 5 * time.Millisecond   // processes attached, none active
 	DefaultDormantTick   = 250 * time.Millisecond // no process attached
 	DefaultAttachTimeout = 2 * time.Second
@@ -54,6 +55,7 @@ type options struct {
 	dev           *device.Info
 	proc          procfs.FS
 	activeTick    time.Duration
+	maxActiveTick time.Duration
 	idleTick      time.Duration
 	dormantTick   time.Duration
 	attachTimeout time.Duration
@@ -70,10 +72,20 @@ func WithLogger(l *slog.Logger) Option { return func(o *options) { o.log = l } }
 // WithDevice describes the device instead of asking the configured backend.
 func WithDevice(d device.Info) Option { return func(o *options) { o.dev = &d } }
 
-// WithTicks sets the arbitration tick while active, while idle with
-// processes attached, and with no process attached.
+// WithTicks sets the arbitration tick while active (a fixed interval: the
+// loop then ticks every active whatever the arbiter's next decision), while
+// idle with processes attached, and with no process attached.
 func WithTicks(active, idle, dormant time.Duration) Option {
-	return func(o *options) { o.activeTick, o.idleTick, o.dormantTick = active, idle, dormant }
+	return func(o *options) {
+		o.activeTick, o.maxActiveTick, o.idleTick, o.dormantTick = active, active, idle, dormant
+	}
+}
+
+// WithActiveTicks bounds the interval between two ticks while active: the
+// loop ticks at the arbiter's next decision point, but no sooner than lo and
+// no later than hi after the previous tick.
+func WithActiveTicks(lo, hi time.Duration) Option {
+	return func(o *options) { o.activeTick, o.maxActiveTick = lo, max(lo, hi) }
 }
 
 // WithAttachTimeout bounds how long an attach connection may take.
@@ -129,6 +141,7 @@ func New(cfg *config.Config, index int, opts ...Option) (*Enforcer, error) {
 		log:           slog.New(slog.NewTextHandler(io.Discard, nil)),
 		proc:          procfs.Host,
 		activeTick:    DefaultActiveTick,
+		maxActiveTick: DefaultMaxActiveTick,
 		idleTick:      DefaultIdleTick,
 		dormantTick:   DefaultDormantTick,
 		attachTimeout: DefaultAttachTimeout,

@@ -3,7 +3,9 @@ package enforcer
 import (
 	"context"
 	"math/bits"
+	"runtime"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -11,17 +13,23 @@ import (
 )
 
 // loop is the arbitration loop: every tick it reads the instances' counters,
-// asks the arbiter who may submit work, and writes the grant words. It ticks
-// every o.activeTick while any instance has demand or a grant, every
-// o.idleTick while processes are attached but idle, and every o.dormantTick
-// when no process is attached. Creating an instance or attaching a process
-// wakes it at once.
+// asks the arbiter who may submit work, and writes the grant words. While
+// any instance has demand or a grant it ticks at the arbiter's next decision
+// point (Arbiter.NextDecision: a quantum ending, a credit overtaking another
+// or running out, a holder that may run dry), but no sooner than
+// o.activeTick after the previous tick and no later than o.maxActiveTick, so
+// that what the arbiter cannot foresee (an instance starting to wait, a
+// holder emptying its queue) is noticed within o.maxActiveTick. It ticks
+// every o.idleTick while processes are attached but idle, and every
+// o.dormantTick when no process is attached. Creating an instance or
+// attaching a process wakes it at once (while active: at the next tick).
 func (e *Enforcer) loop(ctx context.Context) {
 	t := time.NewTimer(0)
 	defer t.Stop()
+	done := ctx.Done()
 	for {
 		select {
-		case <-ctx.Done():
+		case <-done:
 			return
 		case <-t.C:
 		case <-e.kick:
@@ -32,34 +40,100 @@ func (e *Enforcer) loop(ctx context.Context) {
 				}
 			}
 		}
-		t.Reset(e.tick())
+		at, active := e.tick()
+		// While active, sleep in the thread (see sleepUntil), yielding
+		// now and then.
+		for yielded := at; active && runtime.GOMAXPROCS(0) > 1; yielded = at {
+			for active && at-yielded < yieldEvery {
+				for now := monotonic(); now < at; now = monotonic() {
+					sleepUntil(at) // again if a signal cut it short
+				}
+				select {
+				case <-done:
+					return
+				default:
+				}
+				select {
+				case <-e.kick: // served by the tick below
+				default:
+				}
+				at, active = e.tick()
+			}
+			runtime.Gosched()
+		}
+		t.Reset(max(0, at-monotonic()))
 	}
 }
 
-// monotonic returns CLOCK_MONOTONIC (the clock of heartbeat_ns).
-func monotonic() time.Duration {
+// yieldEvery is how often the active loop yields its P. The scheduler
+// preempts a goroutine that has run for 10 ms (sysmon sends it a signal);
+// yielding first is cheaper, and does not cut a sleep short.
+const yieldEvery = 5 * time.Millisecond
+
+// sleepUntil blocks the calling thread until CLOCK_MONOTONIC reaches at, or
+// a signal arrives.
+//
+// It is a raw system call, which the scheduler does not see: the goroutine
+// keeps its thread and its P while it sleeps. Sleeping on a timer or in an
+// ordinary system call cost about four extra context switches per tick on a
+// 2-core machine (a netpoll wake-up, a spinning thread woken and put back to
+// sleep, sysmon retaking the P), with 16 busy instances more than the tick
+// itself. The loop sleeps so only while active (at most maxActiveTick at a
+// time) and with GOMAXPROCS > 1, so that the other goroutines keep a P, and
+// it yields every yieldEvery. A stop-the-world's preemption signal ends the
+// sleep at once (nanosleep is never restarted after a handler), and the
+// caller is preempted at its next call.
+func sleepUntil(at time.Duration) {
+	ts := unix.NsecToTimespec(int64(at))
+	_, _, _ = unix.RawSyscall6(unix.SYS_CLOCK_NANOSLEEP, unix.CLOCK_MONOTONIC, unix.TIMER_ABSTIME,
+		uintptr(unsafe.Pointer(&ts)), 0, 0, 0)
+}
+
+// The loop's clock is CLOCK_MONOTONIC (the clock of heartbeat_ns and of
+// sleepUntil), read through the runtime's vDSO clock, which is
+// CLOCK_MONOTONIC too, from an anchor taken once: clock_gettime(2) as a
+// system call cost more than the rest of a tick's reads.
+var (
+	monoAnchor   = time.Now()
+	monoAnchorNs = clockGettime()
+)
+
+// monotonic returns CLOCK_MONOTONIC.
+func monotonic() time.Duration { return monoAnchorNs + time.Since(monoAnchor) }
+
+func clockGettime() time.Duration {
 	var ts unix.Timespec
 	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
 	return time.Duration(ts.Nano())
 }
 
-// tick runs one arbitration step and returns the delay until the next. It
-// does not allocate: usage entries are overwritten in place and only slots
-// in use are read.
-func (e *Enforcer) tick() time.Duration {
-	now := monotonic()
+// tick runs one arbitration step at the current time and returns when the
+// next is due and whether anything is active (see loop).
+func (e *Enforcer) tick() (at time.Duration, active bool) {
+	return e.tickAt(monotonic())
+}
+
+// tickAt runs one arbitration step at now. It does not allocate: usage
+// entries are overwritten in place (when they changed) and only slots in
+// use are read.
+func (e *Enforcer) tickAt(now time.Duration) (at time.Duration, active bool) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed || len(e.list) == 0 {
-		return e.o.dormantTick
+		return now + e.o.dormantTick, false
 	}
-	next := e.o.dormantTick
-	e.guard(func() { next = e.tickLocked(now) })
-	return next
+	next, active := e.o.dormantTick, false
+	e.guard(func() { next, active = e.tickLocked(now) })
+	return now + next, active
 }
 
-func (e *Enforcer) tickLocked(now time.Duration) time.Duration {
+func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 	active, attached := false, false
+	// An instance may share the GPU with another one's work when some
+	// other instance holds the grant or still has work queued (a revoked
+	// holder's tail): its event timings may then include that work. onGPU
+	// counts the instances with work queued, then the holder.
+	onGPU := 0
 	for _, in := range e.list {
 		u := arbiter.Usage{}
 		gpu, launches := in.reapedGPU, in.reapedLaunches
@@ -83,20 +157,22 @@ func (e *Enforcer) tickLocked(now time.Duration) time.Duration {
 		if u.Waiting || queued > 0 || gpu != in.lastGPU || launches != in.lastLaunches {
 			active = true
 		}
+		if queued > 0 {
+			onGPU++
+		}
 		attached = attached || in.nused > 0
 		in.lastGPU, in.lastLaunches = gpu, launches
-		e.usage[in.id] = u
+		if old, ok := e.usage[in.id]; !ok || old != u { // a lookup is cheaper than an assignment
+			e.usage[in.id] = u
+		}
 	}
 	granted := e.arb.Tick(now, e.usage)
-	// An instance may share the GPU with another one's work when some
-	// other instance holds the grant or still has work queued (a revoked
-	// holder's tail): its event timings may then include that work.
-	onGPU := 0
-	for _, in := range e.list {
-		if e.usage[in.id].Queued > 0 || isGranted(granted, in.id) {
+	for _, g := range granted {
+		if u, ok := e.usage[g]; ok && u.Queued == 0 {
 			onGPU++
 		}
 	}
+	var tail time.Duration // the most work queued by an instance without the grant
 	for _, in := range e.list {
 		var v uint32
 		self := 0
@@ -104,8 +180,12 @@ func (e *Enforcer) tickLocked(now time.Duration) time.Duration {
 			v = 1
 			active = true
 		}
-		if v == 1 || e.usage[in.id].Queued > 0 {
+		queued := e.usage[in.id].Queued
+		if v == 1 || queued > 0 {
 			self = 1
+		}
+		if v == 0 {
+			tail = max(tail, queued)
 		}
 		var c uint32
 		if onGPU > self {
@@ -124,11 +204,23 @@ func (e *Enforcer) tickLocked(now time.Duration) time.Duration {
 	}
 	switch {
 	case active:
-		return e.o.activeTick
+		// At the arbiter's next decision, within the bounds. While a
+		// revoked holder's tail drains, the holder's Contended word must
+		// follow it (the shim charges a contended batch no more than its
+		// clean estimate): the tail cannot be reported done before its
+		// queued work has run, so look again then.
+		d := e.o.maxActiveTick
+		if t := e.arb.NextDecision(); t-now < d { // Never-now does not overflow: now > 0
+			d = t - now
+		}
+		if tail > 0 {
+			d = min(d, tail)
+		}
+		return max(d, e.o.activeTick), true
 	case attached:
-		return e.o.idleTick
+		return e.o.idleTick, false
 	default:
-		return e.o.dormantTick
+		return e.o.dormantTick, false
 	}
 }
 

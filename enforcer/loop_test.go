@@ -148,7 +148,8 @@ func TestArbitration(t *testing.T) {
 
 // TestIdleCost measures the CPU time of an enforcer process (the real
 // command) with one attached process: dormant (no process), idle (process
-// attached, no work) and active (a thread waits, 1 ms ticks).
+// attached, no work) and active (a thread waits: the lone holder's ticks
+// follow the arbiter's next decision, 1-4 ms apart).
 func TestIdleCost(t *testing.T) {
 	if testing.Short() {
 		t.Skip("measures for seconds")
@@ -195,7 +196,7 @@ func TestIdleCost(t *testing.T) {
 	res.Region.Close()
 	measure("idle (process attached, no work)", 6)
 	l.Procs[res.Slot].Waiting.Store(1)
-	measure("active (a thread waits, 1 ms ticks)", 25)
+	measure("active (a thread waits, ticks at the arbiter's next decision)", 25)
 }
 
 func benchmarkTick(b *testing.B, n int) {
@@ -232,3 +233,88 @@ func benchmarkTick(b *testing.B, n int) {
 
 func BenchmarkTick16(b *testing.B) { benchmarkTick(b, 16) }
 func BenchmarkTick64(b *testing.B) { benchmarkTick(b, 64) }
+
+// TestTickFollowsNextDecision drives the loop's step on a virtual clock
+// (tickAt, the regions' counters written by hand): while active the next
+// tick is the arbiter's next decision, bounded to [activeTick,
+// maxActiveTick], and no later than a revoked holder's queued work;
+// WithTicks fixes the interval.
+func TestTickFollowsNextDecision(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		opts   []Option
+		lo, hi time.Duration
+	}{
+		{"default", nil, DefaultActiveTick, DefaultMaxActiveTick},
+		{"2-3ms", []Option{WithActiveTicks(2*time.Millisecond, 3*time.Millisecond)}, 2 * time.Millisecond, 3 * time.Millisecond},
+		{"fixed 1ms", []Option{WithTicks(time.Millisecond, DefaultIdleTick, DefaultDormantTick)}, time.Millisecond, time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			env := newEnv(t, nil) // fixed-share
+			e, err := New(env.cfg, 0, tc.opts...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer e.Close()
+			if _, err := e.Create(tree(os.Getpid(), 30, 100)); err != nil {
+				t.Fatal(err)
+			}
+			e.mu.Lock()
+			in := e.list[0]
+			p := in.reg.Proc(0)
+			p.Claim(uint32(os.Getpid()), 1)
+			in.setUsed(0)
+			l := in.reg.L()
+			e.mu.Unlock()
+
+			now := time.Second
+			if at, active := e.tickAt(now); active || at != now+DefaultIdleTick {
+				t.Fatalf("attached, idle: next tick at +%v (active %v), want +%v", at-now, active, DefaultIdleTick)
+			}
+			// A saturating lone 30: it waits for its entry credit, holds
+			// until its credit runs out, and so on. Each tick is the
+			// arbiter's next decision within the bounds.
+			p.Waiting.Store(1)
+			grants := 0
+			for range 200 {
+				at, active := e.tickAt(now)
+				if !active {
+					t.Fatalf("at %v: not active", now)
+				}
+				want := min(max(e.arb.NextDecision(), now+tc.lo), now+tc.hi)
+				if q := time.Duration(p.QueuedNs.Load()); l.Grant.Load() == 0 && q > 0 { //nolint:gosec // ns
+					want = min(want, max(now+q, now+tc.lo)) // a revoked holder's tail: Contended must follow it
+				}
+				if at != want {
+					t.Fatalf("at %v: next tick at +%v, want +%v (NextDecision +%v)", now, at-now, want-now, e.arb.NextDecision()-now)
+				}
+				if d := at - now; d < tc.lo || d > tc.hi {
+					t.Fatalf("at %v: next tick +%v, want within [%v, %v]", now, d, tc.lo, tc.hi)
+				}
+				// The simulated device: the holder runs all the time.
+				if l.Grant.Load() == 1 {
+					if p.Waiting.Load() == 1 {
+						grants++
+					}
+					p.Waiting.Store(0)
+					p.GPUNs.Add(uint64(at - now)) //nolint:gosec // at > now
+					p.Launches.Add(10)
+					p.QueuedNs.Store(uint64(time.Millisecond))
+				} else {
+					p.Waiting.Store(1)
+					p.QueuedNs.Store(0)
+				}
+				now = at
+			}
+			if grants < 2 {
+				t.Fatalf("granted %d times, want the lone 30 to cycle", grants)
+			}
+			s := e.arb.Stats(in.id)
+			share := 100 * float64(s.Used) / float64(now-time.Second)
+			t.Logf("%d grants; the lone 30 used %.1f%% over %v", grants, share, now-time.Second)
+			if share < 25 || share > 35 {
+				t.Errorf("the lone 30 used %.1f%%, want about 30", share)
+			}
+		})
+	}
+}

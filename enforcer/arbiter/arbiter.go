@@ -1,9 +1,9 @@
 // Package arbiter decides, tick by tick, which instance of one device may
 // submit GPU work. It is pure logic: time and the instances' measured usage
 // are inputs, a list of grant holders is the output. The enforcer daemon
-// calls Tick about once a millisecond while anything is active, reads the
-// counters of every instance's shared region before the call and writes the
-// grant words (futexes) after it.
+// reads the counters of every instance's shared region, calls Tick, writes
+// the grant words (futexes), and ticks again at NextDecision (the earliest
+// time the grant could move), 1 to 4 ms later while anything is active.
 //
 // # Model
 //
@@ -78,6 +78,7 @@
 package arbiter
 
 import (
+	"math"
 	"time"
 
 	"github.com/mgpu-dev/mgpu/internal/policy"
@@ -85,7 +86,8 @@ import (
 
 // Defaults. DefaultMaxQueued is the value the enforcer should write into a
 // region's max_queued_ns; DefaultTick is the tick interval the arbiter is
-// designed for.
+// designed for: the regular tick of the virtual-clock tests, and the
+// shortest interval of the enforcer, which otherwise ticks at NextDecision.
 const (
 	DefaultPeriod    = 100 * time.Millisecond
 	DefaultQuantum   = 5 * time.Millisecond
@@ -179,6 +181,9 @@ type instance struct {
 	queued       time.Duration
 	waiting      bool
 	launchAt     time.Duration // estimated time of its last launch
+	launched     uint64        // launches seen at the last tick
+	dryAt        time.Duration // when it last ran dry holding the grant while others waited
+	dried        bool          // dryAt is set
 	demand       bool
 	charged      float64 // this tick, ns
 
@@ -340,6 +345,7 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 
 	// 1. Observe and charge.
 	var total, wd float64
+	nd := 0
 	for i := range a.inst {
 		in := &a.inst[i]
 		if dt > 0 {
@@ -354,6 +360,7 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		if !ok {
 			in.demand = false
 			in.queued = 0
+			in.launched = 0
 			continue
 		}
 		var used time.Duration
@@ -368,6 +375,7 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		}
 		in.seen = true
 		in.lastGPU, in.lastLaunches = u.GPUTime, u.Launches
+		in.launched = launched
 		in.queued = max(u.Queued, 0)
 		in.waiting = u.Waiting
 		if used > 0 || launched > 0 {
@@ -398,7 +406,13 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		}
 		if in.demand {
 			wd += in.weight
+			nd++
 		}
+	}
+	if h := a.holder; h >= 0 && !a.inst[h].demand && nd > 0 {
+		// The holder ran dry while others waited: NextDecision expects it
+		// to do so again (see dryProne).
+		a.inst[h].dryAt, a.inst[h].dried = now, true
 	}
 
 	// 2. Earn credit.
@@ -596,4 +610,251 @@ func (a *Arbiter) grant(i int, now time.Duration) bool {
 	a.holdStart = now
 	a.inst[i].st.Grants++
 	return true
+}
+
+// Never is what NextDecision returns when it foresees no decision.
+const Never = time.Duration(math.MaxInt64)
+
+// dryProne is how long NextDecision expects a holder that ran dry while
+// others waited to do so again, at any Tick: a caller that ticks at
+// NextDecision then notices it at once (work conservation), while a holder
+// that keeps its queue full is not polled for it. A holder that runs dry
+// less often costs the caller's longest interval once per dryProne.
+const dryProne = time.Second
+
+// NextDecision returns the earliest time after the last Tick at which a
+// Tick could change the grant, given the credits, the kernel estimates and
+// the earn and charge rates as they stand after that Tick: the holder is
+// charged one nanosecond per nanosecond (a device busy with its work, the
+// most it can be charged) once its hand-off discount is used up, nobody else
+// is charged, and no instance starts or stops waiting. It foresees
+//
+//   - under fixed-share, the holder's credit running out;
+//   - under fixed-share, a waiting instance's credit reaching its entry
+//     threshold (when nobody holds, or the holder runs dry);
+//   - a waiting instance's credit overtaking the holder's by the hysteresis,
+//     or at all once the holder has held a Quantum;
+//   - the holder being called dry while another instance could take the
+//     grant: at any Tick if it ran dry so within the last dryProne; once
+//     its queue drains or its launch deadline passes if it launched nothing
+//     at the last Tick;
+//   - a drained hand-off waiting for a tail: at any Tick (the tail ends
+//     when its queue is reported empty).
+//
+// Under these assumptions the time is exact for the credit events (a Tick
+// just before it keeps the grant where it is, one just after moves it;
+// TestNextDecisionExact), or early where candidates' hysteresis differ
+// (long kernels) or beyond a Period, and never late for the others. What it
+// cannot foresee (an instance starting to wait, a holder emptying its queue,
+// reports that lag or differ from the assumed rates) a caller that sleeps
+// until the returned time must notice by ticking at least every few
+// milliseconds anyway; a Tick earlier than needed only costs the tick.
+// Never: nothing is foreseen (nobody waits, or a burst holder has no rival).
+func (a *Arbiter) NextDecision() time.Duration {
+	if !a.started {
+		return Never
+	}
+	t := math.Inf(1) // ns after a.last
+	h := a.holder
+	if h < 0 {
+		canNow := false
+		for i := range a.inst {
+			in := &a.inst[i]
+			if !in.demand {
+				continue
+			}
+			te := a.enterAfter(in)
+			canNow = canNow || te <= 0
+			t = min(t, te)
+		}
+		// Somebody could enter but the hand-off waits for a tail to drain:
+		// it ends when the queue is reported empty, or is estimated done
+		// (the estimate is only as good as the last launch's time): at
+		// any Tick.
+		if canNow && a.tailFrom >= 0 {
+			t = 0
+		}
+		return a.after(t)
+	}
+	hi := &a.inst[h]
+	o := outlook{fixed: a.fixed, disc: max(0, hi.discount), hc: hi.credit, hcap: math.Inf(1)}
+	if a.fixed {
+		o.he, o.hcap = hi.weight/100, a.cap(hi)
+		t = min(t, o.reach(0, -1, 0, 0)) // credit > 0 no longer holds
+	} else {
+		wd := 0.0
+		for i := range a.inst {
+			if a.inst[i].demand || i == h {
+				wd += a.inst[i].weight
+			}
+		}
+		o.he, o.wd = hi.weight/wd, wd
+	}
+	quantumAt := float64(a.holdStart + a.quantum - a.last)
+	enter := math.Inf(1) // the earliest a candidate may enter
+	for i := range a.inst {
+		in := &a.inst[i]
+		if i == h || !in.demand {
+			continue
+		}
+		te, ceil := a.enterAfter(in), math.Inf(1)
+		if a.fixed {
+			ceil = a.cap(in)
+		}
+		enter = min(enter, te)
+		if te >= t {
+			continue // it cannot enter before what is foreseen already
+		}
+		rate := in.weight / 100
+		if !a.fixed {
+			rate = in.weight / o.wd
+		}
+		lead := o.reach(a.hysteresis(hi, in), in.credit, rate, ceil)
+		if quantumAt < lead { // or any lead, once the holder has held a Quantum
+			lead = min(lead, max(quantumAt, o.reach(0, in.credit, rate, ceil)))
+		}
+		t = min(t, max(te, lead))
+	}
+	if !math.IsInf(enter, 1) {
+		t = min(t, max(a.dryAfter(h), enter))
+	}
+	// Beyond a period the earnings are capped (dt is): come back then.
+	if !math.IsInf(t, 1) {
+		t = min(t, a.period)
+	}
+	return a.after(t)
+}
+
+// dryAfter is how long (ns after the last Tick) until holder h may be
+// called dry (see dry and NextDecision).
+func (a *Arbiter) dryAfter(h int) float64 {
+	hi := &a.inst[h]
+	switch {
+	case !hi.demand || (hi.dried && a.last-hi.dryAt < dryProne):
+		return 0
+	case hi.launched == 0 && a.holdStart < a.last: // (a new holder has not had the chance)
+		// Once its queue drains (its tail, then the report: the next Tick
+		// may see it), at the latest after no launch for longer than
+		// D + tickEst, tickEst being the next Tick's (an EWMA the interval
+		// moves by 1/8).
+		last := max(hi.launchAt, a.holdStart+a.holdGrace)
+		d := 1.25*max(a.kernel(hi), a.maxQueued) - float64(a.last-last)
+		return min(a.tail(h, a.last), max(0, 8.0/7.0*d+a.tickEst))
+	}
+	return math.Inf(1) // it launches: it goes on
+}
+
+// outlook is the holder's credit at the next Tick, as NextDecision assumes
+// it: after the hand-off discount (disc ns, not charged) it is charged
+// 1 ns/ns. Fixed-share: it earns he ns/ns of wall time throughout, up to
+// hcap (applied once, at that Tick). Burst: the holder's charge is all there
+// is to hand out, so nobody earns during the discount, then the holder
+// earns he and a candidate of weight w earns w/wd.
+type outlook struct {
+	fixed      bool
+	disc       float64
+	hc, he, wd float64
+	hcap       float64
+}
+
+// earning is how much of [0, t] earns credit.
+func (o *outlook) earning(t float64) float64 {
+	if o.fixed {
+		return t
+	}
+	return max(0, t-o.disc)
+}
+
+// holder is the holder's credit at a Tick t after the last.
+func (o *outlook) holder(t float64) float64 {
+	if o.fixed {
+		return min(o.hc+o.he*t-max(0, t-o.disc), o.hcap)
+	}
+	return o.hc - (1-o.he)*max(0, t-o.disc)
+}
+
+// reach returns the first t >= 0 at which a Tick sees a candidate's credit
+// (c at the last Tick, earning rate up to ceil) lead the holder's by x
+// (rate -1: the candidate is the zero line, so reach(0, -1, ..) is when the
+// holder's credit falls to 0); +Inf if never. Both are piecewise linear in
+// t: the candidate's bends where it reaches ceil, the holder's at the end
+// of the discount and where it meets its ceiling.
+func (o *outlook) reach(x, c, rate, ceil float64) float64 {
+	lead := func(t float64) float64 {
+		if rate < 0 {
+			return -o.holder(t)
+		}
+		return min(c+rate*o.earning(t), ceil) - o.holder(t)
+	}
+	inf := math.Inf(1)
+	bp := [4]float64{o.disc, inf, inf, inf} // breakpoints, then sorted
+	if rate > 0 && !math.IsInf(ceil, 1) {
+		bp[1] = max(0, (ceil-c)/rate)
+		if !o.fixed {
+			bp[1] += o.disc
+		}
+	}
+	if o.fixed && !math.IsInf(o.hcap, 1) {
+		if o.he > 0 { // rising to its ceiling during the discount
+			bp[2] = max(0, (o.hcap-o.hc)/o.he)
+		}
+		if b := 1 - o.he; b > 0 { // and back under it
+			bp[3] = o.disc + max(0, o.hc+o.he*o.disc-o.hcap)/b
+		}
+	}
+	for i := 1; i < len(bp); i++ { // sort (insertion: 4 values)
+		for j := i; j > 0 && bp[j] < bp[j-1]; j-- {
+			bp[j], bp[j-1] = bp[j-1], bp[j]
+		}
+	}
+	from := 0.0
+	for i := 0; i <= len(bp); i++ {
+		to := inf
+		if i < len(bp) {
+			to = bp[i]
+		}
+		if to <= from {
+			continue
+		}
+		l := lead(from)
+		if l >= x {
+			return from
+		}
+		var slope float64
+		if math.IsInf(to, 1) {
+			slope = (lead(from+1e6) - l) / 1e6 // linear beyond the last breakpoint
+		} else {
+			slope = (lead(to) - l) / (to - from)
+		}
+		if slope > 0 {
+			if t := from + (x-l)/slope; t <= to {
+				return t
+			}
+		}
+		from = to
+	}
+	return inf
+}
+
+// after converts a delay (ns after the last Tick) into the time of the
+// first Tick that sees it: the rules compare strictly, so 1 ns later.
+func (a *Arbiter) after(t float64) time.Duration {
+	if math.IsInf(t, 1) || math.IsNaN(t) || t >= float64(Never-a.last-1) {
+		return Never
+	}
+	return a.last + time.Duration(math.Ceil(max(t, 0))) + 1
+}
+
+// enterAfter is how long (ns) non-holder in must keep earning, at its
+// fixed-share rate, to reach its entry threshold (0: it may enter now);
+// burst candidates may always enter.
+func (a *Arbiter) enterAfter(in *instance) float64 {
+	if !a.fixed {
+		return 0
+	}
+	thr := min(a.hysteresis(in, in), a.cap(in)/2)
+	if in.credit >= thr {
+		return 0
+	}
+	return (thr - in.credit) / (in.weight / 100)
 }

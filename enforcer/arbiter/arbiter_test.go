@@ -231,6 +231,9 @@ func checkOps(t *testing.T, data []byte) {
 			if len(got) > 1 {
 				t.Fatalf("granted %v: more than one", got)
 			}
+			if n := a.NextDecision(); n != Never && n <= now {
+				t.Fatalf("NextDecision %v at %v: not after the tick", n, now)
+			}
 			for _, g := range got {
 				if _, ok := ctrs[g]; !ok {
 					t.Fatalf("granted unregistered id %d", g)
@@ -277,7 +280,10 @@ func TestRandomOps(t *testing.T) {
 	}
 }
 
-func benchTick(b *testing.B, n int, p policy.Policy) {
+func benchTick(b *testing.B, n int, p policy.Policy) { benchTickNext(b, n, p, false) }
+
+// benchTickNext is benchTick, with a NextDecision after every Tick if next.
+func benchTickNext(b *testing.B, n int, p policy.Policy, next bool) {
 	a := New(Config{Policy: p})
 	usage := make(map[int]Usage, n)
 	for i := range n {
@@ -292,6 +298,9 @@ func benchTick(b *testing.B, n int, p policy.Policy) {
 	step := func() {
 		now += ms
 		g := a.Tick(now, usage)
+		if next {
+			a.NextDecision()
+		}
 		cur := -1
 		if len(g) > 0 {
 			cur = g[0]
@@ -329,5 +338,19 @@ func BenchmarkTick16(b *testing.B) {
 func BenchmarkTick64(b *testing.B) {
 	for _, p := range []policy.Policy{policy.FixedShare, policy.NativeBurstShare} {
 		b.Run(p.String(), func(b *testing.B) { benchTick(b, 64, p) })
+	}
+}
+
+// BenchmarkTickNext16 is BenchmarkTick16 with the enforcer's NextDecision
+// after every Tick.
+func BenchmarkTickNext16(b *testing.B) {
+	for _, p := range []policy.Policy{policy.FixedShare, policy.NativeBurstShare} {
+		b.Run(p.String(), func(b *testing.B) { benchTickNext(b, 16, p, true) })
+	}
+}
+
+func BenchmarkTickNext64(b *testing.B) {
+	for _, p := range []policy.Policy{policy.FixedShare, policy.NativeBurstShare} {
+		b.Run(p.String(), func(b *testing.B) { benchTickNext(b, 64, p, true) })
 	}
 }

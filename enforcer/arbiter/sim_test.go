@@ -121,7 +121,8 @@ type sim struct {
 	insts    []*simInst
 	bound    time.Duration
 	end      time.Duration
-	jitter   bool // ticks every 1..3 ms instead of 1 ms
+	jitter   bool        // ticks every 1..3 ms instead of 1 ms
+	wake     *wakeBounds // if set: ticks at NextDecision, bounded (the enforcer's loop)
 	rng      *rand.Rand
 	fifo     []simKernel
 	running  bool
@@ -281,12 +282,18 @@ func (s *sim) tick(now time.Duration) {
 	for i := range s.insts {
 		s.submit(i, now)
 	}
-	if s.jitter {
+	switch {
+	case s.wake != nil:
+		s.nextTick = min(max(s.arb.NextDecision(), now+s.wake.lo), now+s.wake.hi)
+	case s.jitter:
 		s.nextTick = now + time.Millisecond + time.Duration(s.rng.Int64N(int64(2*time.Millisecond)))
-	} else {
+	default:
 		s.nextTick = now + time.Millisecond
 	}
 }
+
+// wakeBounds bound the interval between two ticks driven by NextDecision.
+type wakeBounds struct{ lo, hi time.Duration }
 
 // share returns instance i's percentage of device time in [from, to)
 // (bin-aligned).
