@@ -185,6 +185,7 @@ type instance struct {
 	dryAt        time.Duration // when it last ran dry holding the grant while others waited
 	dried        bool          // dryAt is set
 	demand       bool
+	earns        bool    // burst policies: shares the device time charged this tick (demand, or work still queued)
 	charged      float64 // this tick, ns
 
 	credit   float64 // ns
@@ -359,6 +360,7 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		u, ok := usage[in.id]
 		if !ok {
 			in.demand = false
+			in.earns = false
 			in.queued = 0
 			in.launched = 0
 			continue
@@ -404,7 +406,13 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 				in.discount = 0 // everything it ran has been reported
 			}
 		}
-		if in.demand {
+		// Under the burst policies an instance whose queued work still
+		// runs after a revoke keeps earning: its threads wait on that
+		// work (the shim's queue bound, the application's events), not on
+		// the grant, until it completes; it wants the device as much as
+		// one that waits for the grant.
+		in.earns = in.demand || in.queued > 0
+		if in.earns {
 			wd += in.weight
 			nd++
 		}
@@ -428,7 +436,7 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		n := 0
 		for i := range a.inst {
 			in := &a.inst[i]
-			if in.demand {
+			if in.earns {
 				in.credit += in.weight/wd*total - in.charged
 				sum += in.credit
 				n++
@@ -440,7 +448,7 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 			mean := sum / float64(n)
 			for i := range a.inst {
 				in := &a.inst[i]
-				if in.demand {
+				if in.earns {
 					in.credit -= mean
 				}
 			}
@@ -490,8 +498,11 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 }
 
 // cap is a fixed-share instance's credit ceiling.
+// It holds at least three of the instance's kernels: the hysteresis a
+// candidate must lead by is two kernels, so a lower cap would make an
+// instance of long kernels lose the credit it earns while it waits.
 func (a *Arbiter) cap(in *instance) float64 {
-	return max(in.weight/100*a.period, float64(a.quantum))
+	return max(in.weight/100*a.period, float64(a.quantum), 3*a.kernel(in))
 }
 
 // canHold reports whether holder i may keep the grant. A holder that ran dry
@@ -684,7 +695,7 @@ func (a *Arbiter) NextDecision() time.Duration {
 	} else {
 		wd := 0.0
 		for i := range a.inst {
-			if a.inst[i].demand || i == h {
+			if a.inst[i].earns || i == h {
 				wd += a.inst[i].weight
 			}
 		}

@@ -89,6 +89,7 @@ struct sstate {
     uint64_t batch_first; /* first_est of the open batch */
     int batch_contig;     /* the open batch follows the previous one without a gap */
     int batch_cont;       /* the open batch began while another instance had work on the GPU */
+    int counted;          /* counted in g_dev_streams (it had a measured launch) */
     uint64_t last_end;    /* timeline end of the newest completed batch (0: none) */
     struct mark ring[MGPU_RING];
     unsigned head, count;
@@ -112,6 +113,7 @@ pthread_mutex_t mgpu_acct_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct sstate *g_streams; /* under mgpu_acct_mu; never freed */
 static unsigned g_nstreams;
 static uint64_t g_dev_queued[MGPU_MAX_DEVICES]; /* by ordinal, under mgpu_acct_mu */
+static unsigned g_dev_streams[MGPU_MAX_DEVICES]; /* streams with measured launches, by ordinal, under mgpu_acct_mu */
 
 /* The process's GPU timeline on one device: an anchor event and the busy
  * intervals seen recently (disjoint, sorted), under mgpu_acct_mu. */
@@ -291,6 +293,7 @@ static void ss_reset(struct sstate *ss)
     ss->batch_first = 0;
     ss->batch_contig = 0;
     ss->batch_cont = 0;
+    ss->counted = 0;
     ss->last_end = 0;
     ss->head = ss->count = ss->npool = ss->nevents = 0;
     ss->avg_ns = 0;
@@ -324,7 +327,14 @@ static void fold(struct sstate *ss, uint64_t upto)
 /* pending: launches counted in submitted but not admitted yet (the caller's). */
 static void set_queued(struct sstate *ss, uint64_t pending)
 {
-    fold(ss, atomic_load_explicit(&ss->submitted, memory_order_relaxed) - pending);
+    uint64_t sub = atomic_load_explicit(&ss->submitted, memory_order_relaxed) - pending;
+    fold(ss, sub);
+    /* Every launch marked and every mark complete: nothing is queued,
+     * whatever the estimates added up to (a launch taken back after it was
+     * folded left a residue that kept queued_ns > 0 for good, and the
+     * other instances' contended word with it). */
+    if (ss->count == 0 && !ss->batch_ref && !ss->ref_after && ss->marked >= sub && ss->completed >= ss->marked)
+        ss->est_done = ss->est_total;
     uint64_t q = ss->est_total > ss->est_done ? ss->est_total - ss->est_done : 0;
     uint64_t *tot = &g_dev_queued[ss->dev->ordinal];
     *tot = *tot - ss->queued_ns + q;
@@ -356,10 +366,18 @@ static void learn_clean(struct sstate *ss, uint64_t sample)
 }
 
 /* GPU time per launch that an interleaved batch is charged at most: the
- * clean mean once it has a few samples, else the (low-biased) estimate. */
+ * clean mean once it has a few samples, else the (low-biased) estimate,
+ * or the few clean samples' mean where that is lower (a process of long
+ * kernels, whose every launch is its own batch and most of them overlap a
+ * hand-off, sees few clean samples and learns the estimate from upper
+ * bounds). */
 static uint64_t clean_est(const struct sstate *ss)
 {
-    return ss->clean_n >= MGPU_CLEAN_MIN ? ss->clean_ns : ss->avg_ns;
+    if (ss->clean_n >= MGPU_CLEAN_MIN)
+        return ss->clean_ns;
+    if (ss->clean_n && ss->clean_ns < ss->avg_ns)
+        return ss->clean_ns;
+    return ss->avg_ns;
 }
 
 /* Processes the stream's completed marks, oldest first. */
@@ -403,11 +421,14 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
                      * most the clean estimate of one launch, which it may
                      * lower, never raise. */
                     first = (uint64_t)k1;
-                    if (!cont) {
+                    /* With several streams the wait may be behind the
+                     * process's own other stream: capped as before. */
+                    int single = g_dev_streams[ss->dev->ordinal] <= 1;
+                    if (!cont && single) {
                         learn(ss, first);
                         learn_clean(ss, first);
                     } else {
-                        uint64_t est = clean_est(ss) ? clean_est(ss) : m->first_est;
+                        uint64_t est = single && clean_est(ss) ? clean_est(ss) : m->first_est;
                         if (est && first > est)
                             first = est;
                         if (!ss->avg_ns || (uint64_t)k1 < ss->avg_ns)
@@ -589,6 +610,10 @@ static int pre_launch(struct sstate *ss, uint64_t n, int gated)
      * (another thread's flush marked past an open batch) join this one. */
     if (ss->marked < n && !ss->batch_ref && !ss->ref_after) {
         ss->batch_cont = contended(ss);
+        if (!ss->counted) { /* a capture stream never gets here */
+            ss->counted = 1;
+            g_dev_streams[ss->dev->ordinal]++;
+        }
         if (ss->count == 0) {
             ss->ref_after = 1; /* idle: start the batch after this launch */
             CUevent e0 = ev_get(ss);
@@ -678,6 +703,7 @@ void mgpu_launch_reset_after_fork(void)
         pthread_mutex_init(&ss->launch_mu, NULL); /* a parent's thread may have held it */
     }
     memset(g_dev_queued, 0, sizeof g_dev_queued);
+    memset(g_dev_streams, 0, sizeof g_dev_streams);
     memset(g_clock, 0, sizeof g_clock); /* the anchors belong to the parent's contexts */
 }
 
