@@ -57,7 +57,8 @@ var nearEdge = map[string]string{
 // TestFixedShareUnderDeviceModels: the fixed-share cases that break a
 // scheduler-dependent accounting: very different kernel lengths side by
 // side, many instances with mixed kernels and launch paths, graphs of
-// several kernels. Each instance within ±2 points over the window.
+// several kernels. Each instance within ±2 points over the window (the
+// nearEdge cases: the regression tolerance).
 func TestFixedShareUnderDeviceModels(t *testing.T) {
 	win := window()
 	resolve := func(how string, args []string) []string { return append([]string{"--resolve", how}, args...) }
