@@ -181,12 +181,16 @@ func TestNextDecisionDry(t *testing.T) {
 			t.Fatal("1 never got the grant back")
 		}
 	}
-	now += ms
-	gpu += ms
-	launches += 10
-	u[1] = Usage{GPUTime: gpu, Queued: ms, Launches: launches}
-	u[2] = Usage{GPUTime: gpu2, Launches: l2, Waiting: true}
-	only(t, a.Tick(now, u), 1)
+	// 1 busy for a tick, 2 waiting: 1 keeps the grant.
+	busyWhileWaited := func() {
+		now += ms
+		gpu += ms
+		launches += 10
+		u[1] = Usage{GPUTime: gpu, Queued: ms, Launches: launches}
+		u[2] = Usage{GPUTime: gpu2, Launches: l2, Waiting: true}
+		only(t, a.Tick(now, u), 1)
+	}
+	busyWhileWaited()
 	if n := a.NextDecision(); n != now+1 {
 		t.Fatalf("a holder that ran dry %v ago: NextDecision %v after the tick, want the next tick", now-a.inst[a.index[1]].dryAt, n-now)
 	}
@@ -199,12 +203,7 @@ func TestNextDecisionDry(t *testing.T) {
 		u[2] = Usage{GPUTime: gpu2, Launches: l2}
 		only(t, a.Tick(now, u), 1)
 	}
-	now += ms
-	gpu += ms
-	launches += 10
-	u[1] = Usage{GPUTime: gpu, Queued: ms, Launches: launches}
-	u[2] = Usage{GPUTime: gpu2, Launches: l2, Waiting: true}
-	only(t, a.Tick(now, u), 1)
+	busyWhileWaited()
 	if n := a.NextDecision(); n-now < ms {
 		t.Fatalf("%v after it ran dry: NextDecision %v after the tick, want the hysteresis crossing", dryProne, n-now)
 	}

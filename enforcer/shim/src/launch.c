@@ -428,7 +428,8 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
                         learn(ss, first);
                         learn_clean(ss, first);
                     } else {
-                        uint64_t est = single && clean_est(ss) ? clean_est(ss) : m->first_est;
+                        uint64_t ce = clean_est(ss);
+                        uint64_t est = single && ce ? ce : m->first_est;
                         if (est && first > est)
                             first = est;
                         if (!ss->avg_ns || (uint64_t)k1 < ss->avg_ns)
