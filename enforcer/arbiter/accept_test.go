@@ -312,7 +312,7 @@ func TestHandoffModes(t *testing.T) {
 	t.Parallel()
 	for _, k := range []time.Duration{50 * us, 5 * ms} {
 		for _, jit := range []bool{false, true} {
-			for _, mode := range []Handoff{HandoffAdaptive, HandoffOverlap, HandoffDrain, HandoffImmediate} {
+			for _, mode := range []Handoff{HandoffAdaptive, HandoffOverlap, HandoffDrain, HandoffImmediate, HandoffTimed} {
 				s := newSim(Config{Policy: policy.FixedShare, Handoff: mode}, 10*sec, specs([]int{30, 70}, k)...)
 				s.jitter = jit
 				s.run()
@@ -321,6 +321,45 @@ func TestHandoffModes(t *testing.T) {
 				if mode == HandoffAdaptive && (math.Abs(a-30) > eps || math.Abs(b-70) > eps) {
 					t.Errorf("adaptive: k=%v jitter=%v: shares %.2f/%.2f, want 30/70 ±%v", k, jit, a, b, eps)
 				}
+			}
+		}
+	}
+}
+
+// TestTimedHandoff: with the enforcer's settings (2 ms queue bound, ticks
+// at NextDecision no closer than 20 µs, work that waited behind another
+// instance's charged by its length), a timed hand-off grants the next
+// holder when the previous holder's tail is about to end: its first kernel
+// waits behind less than half as much of the other's work as after an
+// immediate hand-off (there: most of the queue bound; the work that could
+// interleave), the device stays busy, and the shares hold.
+func TestTimedHandoff(t *testing.T) {
+	t.Parallel()
+	for _, k := range []time.Duration{100 * us, 500 * us, 5 * ms} {
+		var imm float64
+		for _, mode := range []Handoff{HandoffImmediate, HandoffTimed} {
+			cfg := Config{Policy: policy.FixedShare, Handoff: mode, MaxQueued: 2 * ms, Quantum: 20 * ms}
+			s := newSim(cfg, 10*sec, specs([]int{30, 70}, k)...)
+			s.wake = &wakeBounds{lo: 20 * us, hi: 4 * ms}
+			s.contended = true
+			s.run()
+			a, b := s.share(0, sec, 10*sec), s.share(1, sec, 10*sec)
+			if s.handoffs < 100 {
+				t.Fatalf("k=%v %v: %d hand-offs in 10 s, want many", k, mode, s.handoffs)
+			}
+			ahead := float64(s.ahead) / float64(s.handoffs)
+			t.Logf("k=%-5v %-9v 30 -> %5.2f  70 -> %5.2f  busy %6.2f  %d hand-offs, mean wait behind the other %v",
+				k, mode, a, b, a+b, s.handoffs, time.Duration(ahead))
+			if mode == HandoffImmediate {
+				imm = ahead
+				continue
+			}
+			if ahead > imm/2 {
+				t.Errorf("k=%v: a new holder's first kernel waited %v behind the previous holder's tail on average (immediate: %v), want at most half",
+					k, time.Duration(ahead), time.Duration(imm))
+			}
+			if math.Abs(a-30) > eps || math.Abs(b-70) > eps || a+b < 99 {
+				t.Errorf("k=%v: shares %.2f/%.2f (busy %.2f), want 30/70 ±%v and busy >= 99", k, a, b, a+b, eps)
 			}
 		}
 	}

@@ -60,11 +60,14 @@
 // next measured GPU time A's estimated remaining tail (from A's Queued, the
 // queue bound and A's mean kernel length and last launch); HandoffDrain
 // grants nobody until A's tail is estimated done or A reports nothing
-// queued; HandoffImmediate grants at once without a discount.
-// HandoffAdaptive (the default) overlaps when A's kernels are short (the
+// queued; HandoffImmediate grants at once without a discount;
+// HandoffTimed grants B a lead before A's tail is estimated to end, or once
+// A reports nothing queued, so that on a device that time-slices or
+// alternates between processes the two do not interleave (the enforcer's
+// mode). HandoffAdaptive (the zero value) overlaps when A's kernels are short (the
 // tail is a full queue, known to within a kernel) and drains when they are
 // longer than half the queue bound (the remaining part of one long kernel is
-// not known). The tests measure all four; see docs/arbiter.md.
+// not known). The tests measure all five; see docs/arbiter.md.
 //
 // # Defaults
 //
@@ -93,6 +96,7 @@ const (
 	DefaultQuantum   = 5 * time.Millisecond
 	DefaultMaxQueued = 1 * time.Millisecond
 	DefaultTick      = 1 * time.Millisecond
+	DefaultLead      = 100 * time.Microsecond
 )
 
 // Handoff selects what happens to the device when the grant moves from one
@@ -113,6 +117,13 @@ const (
 	// HandoffImmediate grants at once and charges the new holder for
 	// whatever its events measured (over-charge included).
 	HandoffImmediate
+	// HandoffTimed grants the new holder when the previous holder's tail
+	// is estimated to end, less a lead (Config.Lead, the new holder's
+	// wake-up, and the part of the tail the shim's reports overstate), or
+	// as soon as the tail is reported done: the two instances' work does
+	// not interleave on a device that time-slices or alternates between
+	// processes, and the device stays busy through the hand-off.
+	HandoffTimed
 )
 
 // String returns the mode's name.
@@ -126,6 +137,8 @@ func (h Handoff) String() string {
 		return "drain"
 	case HandoffImmediate:
 		return "immediate"
+	case HandoffTimed:
+		return "timed"
 	}
 	return "handoff(?)"
 }
@@ -146,6 +159,11 @@ type Config struct {
 	MaxQueued time.Duration
 	// Handoff selects the hand-off mode; the zero value is HandoffAdaptive.
 	Handoff Handoff
+	// Lead is how long before the previous holder's tail is estimated to
+	// end a timed hand-off grants the next holder, at least: about the
+	// time from a grant to the new holder's first work on the device (a
+	// thread's wake-up and a launch). 0 selects DefaultLead.
+	Lead time.Duration
 }
 
 // Usage is what the enforcer reads from an instance's region at a tick.
@@ -206,6 +224,7 @@ type Arbiter struct {
 	hyst      float64
 	maxQueued float64
 	handoff   Handoff
+	lead      time.Duration
 
 	inst  []instance
 	index map[int]int
@@ -235,6 +254,9 @@ func New(cfg Config) *Arbiter {
 	if cfg.MaxQueued <= 0 {
 		cfg.MaxQueued = DefaultMaxQueued
 	}
+	if cfg.Lead <= 0 {
+		cfg.Lead = DefaultLead
+	}
 	return &Arbiter{
 		pol:     cfg.Policy,
 		fixed:   cfg.Policy == policy.FixedShare || !cfg.Policy.Valid(),
@@ -246,6 +268,7 @@ func New(cfg Config) *Arbiter {
 		hyst:      max(float64(cfg.Quantum)/5, 2*float64(cfg.MaxQueued)),
 		maxQueued: float64(cfg.MaxQueued),
 		handoff:   cfg.Handoff,
+		lead:      cfg.Lead,
 		index:     make(map[int]int),
 		tickEst:   float64(DefaultTick),
 		holder:    -1,
@@ -607,6 +630,10 @@ func (a *Arbiter) grant(i int, now time.Duration) bool {
 			if rem > a.tickEst/2 && a.inst[a.tailFrom].queued > 0 {
 				return false
 			}
+		case HandoffTimed:
+			if rem > a.leadOf(a.tailFrom) && a.inst[a.tailFrom].queued > 0 {
+				return false
+			}
 		case HandoffOverlap:
 			if rem > 0 {
 				a.inst[i].discount += rem
@@ -621,6 +648,35 @@ func (a *Arbiter) grant(i int, now time.Duration) bool {
 	a.holdStart = now
 	a.inst[i].st.Grants++
 	return true
+}
+
+// leadOf is how long before the estimated end of instance i's tail a timed
+// hand-off grants the next holder: Lead, plus one of i's kernels up to a
+// quarter of the queue bound. The shim learns of completions a mark at a
+// time (a mark is about a quarter of the bound, or one kernel if longer)
+// and refills its queue a wake-up after one, so its queue holds less than
+// its reports say by about that much.
+func (a *Arbiter) leadOf(i int) float64 {
+	return float64(a.lead) + min(a.kernel(&a.inst[i]), a.maxQueued/4)
+}
+
+// HandingOff reports whether the grant is between two holders: a timed
+// hand-off waits for the previous holder's tail. NextDecision is then the
+// time to grant the next holder, which a caller should keep to even where
+// it otherwise ticks no more often than every DefaultTick.
+func (a *Arbiter) HandingOff() bool {
+	return a.handoff == HandoffTimed && a.holder < 0 && a.tailFrom >= 0 && a.waitsForTail()
+}
+
+// waitsForTail reports whether an instance other than the last revoked
+// holder could be granted now (and so waits for that holder's tail).
+func (a *Arbiter) waitsForTail() bool {
+	for i := range a.inst {
+		if in := &a.inst[i]; i != a.tailFrom && in.demand && a.enterAfter(in) <= 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // Never is what NextDecision returns when it foresees no decision.
@@ -668,22 +724,21 @@ func (a *Arbiter) NextDecision() time.Duration {
 	t := math.Inf(1) // ns after a.last
 	h := a.holder
 	if h < 0 {
-		canNow := false
 		for i := range a.inst {
-			in := &a.inst[i]
-			if !in.demand {
-				continue
+			if in := &a.inst[i]; in.demand {
+				t = min(t, a.enterAfter(in))
 			}
-			te := a.enterAfter(in)
-			canNow = canNow || te <= 0
-			t = min(t, te)
 		}
 		// Somebody could enter but the hand-off waits for a tail to drain:
 		// it ends when the queue is reported empty, or is estimated done
 		// (the estimate is only as good as the last launch's time): at
-		// any Tick.
-		if canNow && a.tailFrom >= 0 {
+		// any Tick; a timed hand-off at the latest its lead before the
+		// estimated end.
+		if a.tailFrom >= 0 && a.waitsForTail() {
 			t = 0
+			if a.handoff == HandoffTimed {
+				t = max(0, float64(a.tailEnd-a.last)-a.leadOf(a.tailFrom))
+			}
 		}
 		return a.after(t)
 	}

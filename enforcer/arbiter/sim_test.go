@@ -16,7 +16,10 @@ import (
 //     longer than the bound runs alone);
 //   - the shim times each kernel with events: measured = end -
 //     max(submit, previous end on its stream), which includes time spent
-//     waiting behind another instance's tail;
+//     waiting behind another instance's tail (with sim.contended: a kernel
+//     submitted behind another instance's work is charged at most its
+//     length, as today's shim charges a batch that ran while the region's
+//     contended word was set by its clean estimate);
 //   - the shim publishes measured time lazily: a completion becomes visible
 //     in the region at the process's next flush (every simFlush, with a
 //     per-instance phase), so GPUTime lags by up to simFlush and Queued
@@ -83,6 +86,7 @@ type simKernel struct {
 	inst          int
 	length        time.Duration
 	submit, start time.Duration
+	behind        bool // submitted behind another instance's work
 }
 
 type simInst struct {
@@ -92,6 +96,7 @@ type simInst struct {
 	work workload
 
 	granted    bool
+	fresh      bool          // granted at the last tick, nothing submitted since
 	inflightNs time.Duration // real, known to the shim
 	submitted  time.Duration // sum of kernel lengths submitted (the shim's estimate)
 	launches   uint64
@@ -117,21 +122,26 @@ type simSpec struct {
 }
 
 type sim struct {
-	arb      *Arbiter
-	insts    []*simInst
-	bound    time.Duration
-	end      time.Duration
-	jitter   bool        // ticks every 1..3 ms instead of 1 ms
-	wake     *wakeBounds // if set: ticks at NextDecision, bounded (the enforcer's loop)
-	rng      *rand.Rand
-	fifo     []simKernel
-	running  bool
-	cur      simKernel
-	devEnd   time.Duration
-	nextTick time.Duration
-	usage    map[int]Usage
-	ticks    int
-	multi    int // ticks that returned more than one id
+	arb       *Arbiter
+	insts     []*simInst
+	bound     time.Duration
+	end       time.Duration
+	jitter    bool        // ticks every 1..3 ms instead of 1 ms
+	wake      *wakeBounds // if set: ticks at NextDecision, bounded (the enforcer's loop)
+	contended bool        // charge a kernel that waited behind another's work its length at most
+	rng       *rand.Rand
+	fifo      []simKernel
+	running   bool
+	cur       simKernel
+	devEnd    time.Duration
+	nextTick  time.Duration
+	usage     map[int]Usage
+	ticks     int
+	multi     int // ticks that returned more than one id
+	// hand-offs: the other instances' work still to run on the device
+	// when a new holder submitted its first kernel (its summed wait)
+	handoffs int
+	ahead    time.Duration
 	onTick   func(now time.Duration, granted []int)
 	now      time.Duration
 }
@@ -194,7 +204,12 @@ func (s *sim) run() {
 func (s *sim) submit(i int, now time.Duration) {
 	in := s.insts[i]
 	for in.granted && in.work.has(now) && (in.inflightNs == 0 || in.inflightNs+in.klen <= s.bound) {
-		k := simKernel{inst: i, length: in.klen, submit: now}
+		k := simKernel{inst: i, length: in.klen, submit: now, behind: s.workAhead(i, now) > 0}
+		if in.fresh {
+			in.fresh = false
+			s.handoffs++
+			s.ahead += s.workAhead(i, now)
+		}
 		in.inflightNs += in.klen
 		in.submitted += in.klen
 		in.launches++
@@ -205,6 +220,21 @@ func (s *sim) submit(i int, now time.Duration) {
 			s.fifo = append(s.fifo, k)
 		}
 	}
+}
+
+// workAhead is the other instances' work the device has still to run at
+// now: what a kernel instance i submits now waits behind.
+func (s *sim) workAhead(i int, now time.Duration) time.Duration {
+	var w time.Duration
+	if s.running && s.cur.inst != i {
+		w += s.devEnd - now
+	}
+	for _, k := range s.fifo {
+		if k.inst != i {
+			w += k.length
+		}
+	}
+	return w
 }
 
 func (s *sim) startKernel(k simKernel, now time.Duration) {
@@ -220,6 +250,9 @@ func (s *sim) complete(now time.Duration) {
 	s.addBusy(in, k.start, now)
 	in.executed += k.length
 	m := now - max(k.submit, in.lastEnd)
+	if s.contended && k.behind {
+		m = min(m, k.length)
+	}
 	in.measured += m
 	in.lastEnd = now
 	in.inflightNs -= k.length
@@ -272,12 +305,14 @@ func (s *sim) tick(now time.Duration) {
 		s.onTick(now, g)
 	}
 	for _, in := range s.insts {
+		was := in.granted
 		in.granted = false
 		for _, id := range g {
 			if id == in.id {
 				in.granted = true
 			}
 		}
+		in.fresh = in.fresh && in.granted || in.granted && !was
 	}
 	for i := range s.insts {
 		s.submit(i, now)
