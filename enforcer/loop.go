@@ -70,6 +70,14 @@ func (e *Enforcer) loop(ctx context.Context) {
 // yielding first is cheaper, and does not cut a sleep short.
 const yieldEvery = 5 * time.Millisecond
 
+// minHandoffTick is the shortest interval between two ticks while a hand-off
+// waits for the previous holder's tail (arbiter.HandoffTimed).
+const minHandoffTick = 20 * time.Microsecond
+
+// handoffPoll is the longest interval between two ticks while a hand-off
+// waits for the previous holder's tail.
+const handoffPoll = 250 * time.Microsecond
+
 // sleepUntil blocks the calling thread until CLOCK_MONOTONIC reaches at, or
 // a signal arrives.
 //
@@ -215,6 +223,15 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 		}
 		if tail > 0 {
 			d = min(d, tail)
+		}
+		if e.arb.HandingOff() {
+			// The next holder is granted just before the previous
+			// holder's tail is estimated to end, or once the tail is
+			// reported done, whichever comes first: kept to within a
+			// wake-up, and the report noticed within handoffPoll (the
+			// estimate of one long kernel's remaining part is only as
+			// good as the time of its launch, which a tick brackets).
+			return min(max(d, minHandoffTick), handoffPoll), true
 		}
 		return max(d, e.o.activeTick), true
 	case attached:
