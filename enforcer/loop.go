@@ -74,10 +74,6 @@ const yieldEvery = 5 * time.Millisecond
 // waits for the previous holder's tail (arbiter.HandoffTimed).
 const minHandoffTick = 20 * time.Microsecond
 
-// handoffPoll is the longest interval between two ticks while a hand-off
-// waits for the previous holder's tail.
-const handoffPoll = 250 * time.Microsecond
-
 // sleepUntil blocks the calling thread until CLOCK_MONOTONIC reaches at, or
 // a signal arrives.
 //
@@ -180,7 +176,6 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 			onGPU++
 		}
 	}
-	var tail time.Duration // the most work queued by an instance without the grant
 	for _, in := range e.list {
 		var v uint32
 		self := 0
@@ -191,9 +186,6 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 		queued := e.usage[in.id].Queued
 		if v == 1 || queued > 0 {
 			self = 1
-		}
-		if v == 0 {
-			tail = max(tail, queued)
 		}
 		var c uint32
 		if onGPU > self {
@@ -212,26 +204,23 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 	}
 	switch {
 	case active:
-		// At the arbiter's next decision, within the bounds. While a
-		// revoked holder's tail drains, the holder's Contended word must
-		// follow it (the shim charges a contended batch no more than its
-		// clean estimate): the tail cannot be reported done before its
-		// queued work has run, so look again then.
+		// At the arbiter's next decision, within the bounds. A revoked
+		// holder's tail reported drained clears the new holder's
+		// Contended word at the next tick, not sooner: timed hand-offs
+		// grant as the tail ends, and the shim charges a contended batch
+		// what it measured unless another instance's work evidently ran
+		// inside it (ticking again for it cost a third of the ticks of
+		// 16 busy instances).
 		d := e.o.maxActiveTick
 		if t := e.arb.NextDecision(); t-now < d { // Never-now does not overflow: now > 0
 			d = t - now
 		}
-		if tail > 0 {
-			d = min(d, tail)
-		}
 		if e.arb.HandingOff() {
 			// The next holder is granted just before the previous
-			// holder's tail is estimated to end, or once the tail is
-			// reported done, whichever comes first: kept to within a
-			// wake-up, and the report noticed within handoffPoll (the
-			// estimate of one long kernel's remaining part is only as
-			// good as the time of its launch, which a tick brackets).
-			return min(max(d, minHandoffTick), handoffPoll), true
+			// holder's tail is estimated to end (or, for a tail of
+			// long kernels, looked for every 250 µs): kept to within a
+			// wake-up, not a tick.
+			return max(d, minHandoffTick), true
 		}
 		return max(d, e.o.activeTick), true
 	case attached:

@@ -650,6 +650,10 @@ func (a *Arbiter) grant(i int, now time.Duration) bool {
 	return true
 }
 
+// longTailPoll is how often NextDecision looks for the end of a timed
+// hand-off's tail of long kernels (see NextDecision).
+const longTailPoll = 250 * time.Microsecond
+
 // leadOf is how long before the estimated end of instance i's tail a timed
 // hand-off grants the next holder: Lead, plus one of i's kernels up to a
 // quarter of the queue bound. The shim learns of completions a mark at a
@@ -738,6 +742,12 @@ func (a *Arbiter) NextDecision() time.Duration {
 			t = 0
 			if a.handoff == HandoffTimed {
 				t = max(0, float64(a.tailEnd-a.last)-a.leadOf(a.tailFrom))
+				if 2*a.kernel(&a.inst[a.tailFrom]) > a.maxQueued {
+					// The remaining part of one long kernel is only as
+					// well known as the time of its launch, which a tick
+					// brackets: look for its report of the end as well.
+					t = min(t, float64(longTailPoll))
+				}
 			}
 		}
 		return a.after(t)

@@ -556,7 +556,7 @@ func (b *bench) enforcerCPU() error {
 	jobs := make([]*harness.Job, 16)
 	for i := range jobs {
 		j, err := n.Start(harness.RunSpec{Device: 0, Core: 6, MemoryMiB: 1024,
-			Args: []string{"compute", "--api", "launch", "--kernel-us", "500", "--depth", "4", "--seconds", "12"}})
+			Args: []string{"compute", "--api", "launch", "--kernel-us", "500", "--depth", "4", "--seconds", "17"}})
 		if err != nil {
 			return err
 		}
@@ -565,7 +565,8 @@ func (b *bench) enforcerCPU() error {
 	if err := waitStarted(jobs); err != nil {
 		return err
 	}
-	busy, err := cpuOver(n.EnforcerPID(0), 5*time.Second)
+	// 10 s: the process's CPU time is counted in clock ticks (10 ms).
+	busy, err := cpuOver(n.EnforcerPID(0), 10*time.Second)
 	if err != nil {
 		return err
 	}

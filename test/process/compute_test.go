@@ -200,23 +200,6 @@ func testFixedShareLoneInstanceCapped(t *testing.T, model string) {
 func TestNativeBurstShare(t *testing.T) {
 	forEachModel(t, func(t *testing.T, model string) {
 		shares, dev := measureSharesDev(t, onModel(policy.NativeBurstShare, model), []load{{1, saturating("launch", 100, 64)}, {3, saturating("launch", 100, 64)}}, time.Second, window())
-		if model == "kernel" {
-			// Known gap (issue 12, docs/arbiter.md "Interleaved work"):
-			// the kernel-by-kernel model alternates the two instances'
-			// 100 µs kernels through every hand-off's tail, and each
-			// alternation idles the simulated device for a process
-			// wake-up: 97.2-97.4 % busy, the 3 at 72.4-72.6. The shares
-			// of what ran are right (25.5 / 74.5); asserted at the
-			// regression tolerance until hand-offs stop interleaving.
-			t.Logf("known gap under the kernel model: asserting ± %.0f and busy >= 95", tol.Regression)
-			for i, want := range []float64{25, 75} {
-				if math.Abs(shares[i]-want) > tol.Regression {
-					t.Errorf("weight %d: %.2f%%, want %.0f ± %.0f", 2*i+1, shares[i], want, tol.Regression)
-				}
-			}
-			busyAtLeast(t, dev, 95)
-			return
-		}
 		within(t, "weight 1", shares[0], 25)
 		within(t, "weight 3", shares[1], 75)
 		busyAtLeast(t, dev, 97)
@@ -314,14 +297,6 @@ func testGuaranteedBurstShare(t *testing.T, model string) {
 		t.Errorf("the 70 did not reach %.0f%% in any 50 ms window ending within 100 ms of resuming (best %.2f%%)", floor, best)
 	}
 	lateFloor := 70 - epsilon
-	if model == "kernel" {
-		// Known gap (issue 12; see TestNativeBurstShare): with 100 µs
-		// kernels the kernel-by-kernel model idles the device at every
-		// alternation inside a hand-off's tail; over 2 s the 70 measured
-		// 66.8-68.0 % (the 30 29.4-30.2 %).
-		lateFloor = 70 - tol.Regression
-		t.Logf("known gap under the kernel model: the 2 s share asserted >= %.0f", lateFloor)
-	}
 	if late < lateFloor {
 		t.Errorf("the 70 got %.2f%% over the 2 s after resuming, want >= %.0f", late, lateFloor)
 	}

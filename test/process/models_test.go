@@ -8,7 +8,6 @@ import (
 
 	"github.com/mgpu-dev/mgpu/internal/policy"
 	"github.com/mgpu-dev/mgpu/test/harness"
-	tol "github.com/mgpu-dev/mgpu/test/shares"
 )
 
 // allModels are the simulated GPU's device models the share suite runs
@@ -44,22 +43,6 @@ func onModel(p policy.Policy, model string) harness.NodeConfig {
 	return harness.NodeConfig{Policies: map[int]policy.Policy{0: p}, DeviceModel: model}
 }
 
-// nearEdge are the model cases measured within a few tenths of a point of
-// ε on this machine (docs/arbiter.md, "Interleaved work"): asserted at the
-// regression tolerance, so that CI catches a broken policy without failing
-// on the remaining error, which the log shows.
-var nearEdge = map[string]string{
-	"timer:1ms/30 20ms / 70 50us": "the 30 measured 28.18-28.57: its 20 ms kernels are preempted in every hold, charged by an estimate learned mostly from upper bounds",
-	"timer:2ms/30 20ms / 70 50us": "the 30 measured 28.18-28.21, as under timer:1ms",
-}
-
-// unstable are model cases whose error varies from run to run beyond the
-// regression tolerance: they are skipped with the measured range, and stay
-// open in issue 12 (docs/arbiter.md, "Interleaved work").
-var unstable = map[string]string{
-	"kernel/30 runtime 1ms / 70 graph 10x500us": "the 30 measured 24.55-28.87 over five runs: the graphs' 10-kernel tails alternate with its 1 ms kernels and every alternation idles the simulated device",
-}
-
 // TestFixedShareUnderDeviceModels: the fixed-share cases that break a
 // scheduler-dependent accounting: very different kernel lengths side by
 // side, many instances with mixed kernels and launch paths, graphs of
@@ -89,18 +72,10 @@ func TestFixedShareUnderDeviceModels(t *testing.T) {
 	forEachModel(t, func(t *testing.T, model string) {
 		for _, tc := range cases {
 			t.Run(tc.name, func(t *testing.T) {
-				if why, ok := unstable[model+"/"+tc.name]; ok {
-					t.Skipf("known gap (issue 12): %s", why)
-				}
 				shares, _ := measureSharesDev(t, onModel(policy.FixedShare, model), tc.loads, time.Second, win)
-				tolerance := epsilon
-				if why, ok := nearEdge[model+"/"+tc.name]; ok {
-					tolerance = max(epsilon, tol.Regression)
-					t.Logf("near the edge (issue 12): %s; asserting ± %.0f", why, tolerance)
-				}
 				for i, l := range tc.loads {
-					if d := shares[i] - float64(l.core); d > tolerance || d < -tolerance {
-						t.Errorf("instance %d (core %d, %s): %.2f%%, want %d ± %.0f", i, l.core, strings.Join(l.args, " "), shares[i], l.core, tolerance)
+					if d := shares[i] - float64(l.core); d > epsilon || d < -epsilon {
+						t.Errorf("instance %d (core %d, %s): %.2f%%, want %d ± %.0f", i, l.core, strings.Join(l.args, " "), shares[i], l.core, epsilon)
 					}
 				}
 			})
