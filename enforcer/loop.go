@@ -17,7 +17,9 @@ import (
 // any instance has demand or a grant it ticks at the arbiter's next decision
 // point (Arbiter.NextDecision: a quantum ending, a credit overtaking another
 // or running out, a holder that may run dry), but no sooner than
-// o.activeTick after the previous tick and no later than o.maxActiveTick, so
+// o.activeTick after the previous tick (while a timed hand-off waits for a
+// tail: its grant time, at least minHandoffTick later) and no later than
+// o.maxActiveTick, so
 // that what the arbiter cannot foresee (an instance starting to wait, a
 // holder emptying its queue) is noticed within o.maxActiveTick. It ticks
 // every o.idleTick while processes are attached but idle, and every
