@@ -152,6 +152,33 @@ func TestBurstNoBanking(t *testing.T) {
 	}
 }
 
+// TestHolderOfOneLongKernelIsNotDry: a holder that reports one long kernel
+// queued (8 ms) and launches nothing while it runs keeps the grant beside a
+// waiting instance, though its mean kernel is not known (a launch counted
+// while it waited for room and taken back at a revoke once made it look
+// 3.5 ms long): it is called dry only after its queued work could have run.
+func TestHolderOfOneLongKernelIsNotDry(t *testing.T) {
+	t.Parallel()
+	a := New(Config{Policy: policy.GuaranteedBurstShare, Quantum: sec})
+	a.Add(1, 70)
+	a.Add(2, 30)
+	a.Tick(0, map[int]Usage{1: {Waiting: true}, 2: {}})
+	if h, ok := a.Holder(); !ok || h != 1 {
+		t.Fatalf("holder %v %v, want 1", h, ok)
+	}
+	a.Tick(ms, map[int]Usage{1: {Launches: 1, Queued: 8 * ms}, 2: {}})
+	for now := 2 * ms; now <= 9*ms; now += ms {
+		a.Tick(now, map[int]Usage{1: {Launches: 1, Queued: 8 * ms}, 2: {Waiting: true}})
+		if h, _ := a.Holder(); h != 1 {
+			t.Fatalf("at %v (its 8 ms kernel launched at 1 ms still runs): the grant went to %d", now, h)
+		}
+	}
+	a.Tick(20*ms, map[int]Usage{1: {Launches: 1, Queued: 8 * ms}, 2: {Waiting: true}})
+	if h, _ := a.Holder(); h != 2 {
+		t.Fatalf("19 ms after its last launch with 8 ms queued: holder %d, want the waiting instance", h)
+	}
+}
+
 // TestStatsThrottled: a waiting non-holder accumulates throttled time.
 func TestStatsThrottled(t *testing.T) {
 	t.Parallel()
