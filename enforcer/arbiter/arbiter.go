@@ -544,10 +544,7 @@ func (a *Arbiter) canHold(i int, contested bool) bool {
 // (the hysteresis, at most half its cap), so holds are not needlessly short.
 func (a *Arbiter) canEnter(i int) bool {
 	in := &a.inst[i]
-	if !in.demand {
-		return false
-	}
-	return !a.fixed || in.credit >= min(a.hysteresis(in, in), a.cap(in)/2)
+	return in.demand && a.enterAfter(in) <= 0
 }
 
 // hysteresis is the credit lead a candidate needs to take the grant from
@@ -628,7 +625,7 @@ func (a *Arbiter) grant(i int, now time.Duration) bool {
 		mode := a.handoff
 		if mode == HandoffAdaptive {
 			mode = HandoffOverlap
-			if 2*a.kernel(&a.inst[a.tailFrom]) > a.maxQueued {
+			if a.longKernels(a.tailFrom) {
 				mode = HandoffDrain
 			}
 		}
@@ -657,6 +654,11 @@ func (a *Arbiter) grant(i int, now time.Duration) bool {
 	return true
 }
 
+// longKernels reports whether instance i's kernels are longer than half the
+// queue bound: its queued tail is then the remaining part of one kernel,
+// whose end is only as well known as the time of its launch.
+func (a *Arbiter) longKernels(i int) bool { return 2*a.kernel(&a.inst[i]) > a.maxQueued }
+
 // longTailPoll is how often NextDecision looks for the end of a timed
 // hand-off's tail of long kernels (see NextDecision).
 const longTailPoll = 250 * time.Microsecond
@@ -683,7 +685,7 @@ func (a *Arbiter) HandingOff() bool {
 // holder could be granted now (and so waits for that holder's tail).
 func (a *Arbiter) waitsForTail() bool {
 	for i := range a.inst {
-		if in := &a.inst[i]; i != a.tailFrom && in.demand && a.enterAfter(in) <= 0 {
+		if i != a.tailFrom && a.canEnter(i) {
 			return true
 		}
 	}
@@ -749,7 +751,7 @@ func (a *Arbiter) NextDecision() time.Duration {
 			t = 0
 			if a.handoff == HandoffTimed {
 				t = max(0, float64(a.tailEnd-a.last)-a.leadOf(a.tailFrom))
-				if 2*a.kernel(&a.inst[a.tailFrom]) > a.maxQueued {
+				if a.longKernels(a.tailFrom) {
 					// The remaining part of one long kernel is only as
 					// well known as the time of its launch, which a tick
 					// brackets: look for its report of the end as well.
