@@ -60,23 +60,33 @@ func (e *Enforcer) handleAttach(conn *net.UnixConn) {
 	if _, err := io.ReadFull(conn, buf[:]); err != nil {
 		return // incomplete request: close this connection only
 	}
-	if _, err := attach.DecodeRequest(buf[:]); err != nil {
-		_ = e.reply(conn, attach.Response{Status: attach.BadRequest, Message: "mgpu: " + err.Error()}, -1)
+	if req, err := attach.DecodeRequest(buf[:]); err != nil {
+		// A shim of another protocol version gets the refusal in its own
+		// version, so that it prints the message instead of failing on
+		// the layout.
+		v := attach.Version
+		if req.Magic == attach.Magic && req.Version != 0 {
+			v = req.Version
+		}
+		e.o.log.Warn("attach refused", "err", err)
+		_ = e.reply(conn, attach.Response{Version: v, Status: attach.BadRequest, Message: "mgpu: " + err.Error()}, nil)
 		return
 	}
 	pid, pidfd, err := peer(conn)
 	if err != nil {
-		_ = e.reply(conn, attach.Response{Status: attach.Internal, Message: "mgpu: cannot identify the caller: " + err.Error()}, -1)
+		_ = e.reply(conn, attach.Response{Status: attach.Internal, Message: "mgpu: cannot identify the caller: " + err.Error()}, nil)
 		return
 	}
 	defer func() { _ = unix.Close(pidfd) }()
-	resp, fd, in, slot := e.attach(pid, pidfd)
-	if fd < 0 {
-		_ = e.reply(conn, resp, -1)
+	resp, fds, in, slot := e.attach(pid, pidfd)
+	if fds == nil {
+		_ = e.reply(conn, resp, nil)
 		return
 	}
-	err = e.reply(conn, resp, fd)
-	_ = unix.Close(fd)
+	err = e.reply(conn, resp, fds)
+	for _, fd := range fds {
+		_ = unix.Close(fd)
+	}
 	if err != nil {
 		// The caller went away before it got its region: free the slot.
 		e.mu.Lock()
@@ -89,11 +99,11 @@ func (e *Enforcer) handleAttach(conn *net.UnixConn) {
 	e.kickLoop()
 }
 
-func (e *Enforcer) reply(conn *net.UnixConn, r attach.Response, fd int) error {
+func (e *Enforcer) reply(conn *net.UnixConn, r attach.Response, fds []int) error {
 	b := r.Marshal()
 	var oob []byte
-	if fd >= 0 {
-		oob = unix.UnixRights(fd)
+	if fds != nil {
+		oob = unix.UnixRights(fds...)
 	}
 	_, _, err := conn.WriteMsgUnix(b[:], oob, nil)
 	return err
@@ -218,9 +228,10 @@ func under(p, base string) bool {
 }
 
 // attach maps a peer to its instance and gives it a slot. On success it
-// returns a duplicate of the region's descriptor (the caller closes it), so
-// that a concurrent release cannot make the reply carry another file.
-func (e *Enforcer) attach(pid, pidfd int) (attach.Response, int, *instance, int) {
+// returns the descriptors the reply carries (region.TenantFDs; the caller
+// closes them), opened under the lock, so that a concurrent release cannot
+// make the reply carry another instance's files.
+func (e *Enforcer) attach(pid, pidfd int) (attach.Response, []int, *instance, int) {
 	resp := attach.Response{DeviceIndex: uint32(e.index)} //nolint:gosec // small
 	info, err := e.inspect(pid)
 	if err == nil && exited(pidfd) {
@@ -229,29 +240,33 @@ func (e *Enforcer) attach(pid, pidfd int) (attach.Response, int, *instance, int)
 	if err != nil {
 		resp.Status = attach.Internal
 		resp.Message = fmt.Sprintf("mgpu: cannot inspect pid %d: %v", pid, err)
-		return resp, -1, nil, 0
+		return resp, nil, nil, 0
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var (
-		fd, slot = -1, -1
-		in       *instance
+		fds  []int
+		slot = -1
+		in   *instance
 	)
-	if e.guard(func() { resp, fd, in, slot = e.attachLocked(resp, pid, pidfd, info) }) {
+	if e.guard(func() { resp, fds, in, slot = e.attachLocked(resp, pid, pidfd, info) }) {
+		for _, fd := range fds {
+			_ = unix.Close(fd)
+		}
 		resp.Status = attach.Internal
 		resp.Message = "mgpu: the instance's region was truncated by one of its processes; the instance is released"
-		return resp, -1, nil, 0
+		return resp, nil, nil, 0
 	}
-	return resp, fd, in, slot
+	return resp, fds, in, slot
 }
 
-func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerInfo) (attach.Response, int, *instance, int) {
+func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerInfo) (attach.Response, []int, *instance, int) {
 	in := e.matchLocked(info)
 	if in == nil || e.closed {
 		resp.Status = attach.NoInstance
 		resp.Message = fmt.Sprintf("mgpu: pid %d belongs to no mgpu instance on device %d; start it with mgpu-cli run or in a container with --device %s=%d",
 			pid, e.index, e.cfg.CDIKind, e.index)
-		return resp, -1, nil, 0
+		return resp, nil, nil, 0
 	}
 	slot := -1
 	in.forSlots(func(i int) {
@@ -273,20 +288,25 @@ func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerI
 	if slot < 0 {
 		resp.Status = attach.NoSlot
 		resp.Message = fmt.Sprintf("mgpu: instance %s already has %d processes attached, the most a region holds", in.name, region.MaxProcs)
-		return resp, -1, nil, 0
+		return resp, nil, nil, 0
 	}
-	fd, err := unix.FcntlInt(in.reg.File().Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	// The slot's counters start at zero (a reaped slot was cleared; this
+	// also clears what a process of the same pid wrote before an exec).
+	in.reg.Proc(slot).Clear()
+	fds, err := in.reg.TenantFDs(e.view, slot)
 	if err != nil {
 		resp.Status = attach.Internal
 		resp.Message = "mgpu: " + err.Error()
-		return resp, -1, nil, 0
+		return resp, nil, nil, 0
 	}
 	wfd, err := unix.FcntlInt(uintptr(pidfd), unix.F_DUPFD_CLOEXEC, 0) //nolint:gosec // a valid fd
 	if err != nil {
-		_ = unix.Close(fd)
+		for _, fd := range fds {
+			_ = unix.Close(fd)
+		}
 		resp.Status = attach.Internal
 		resp.Message = "mgpu: " + err.Error()
-		return resp, -1, nil, 0
+		return resp, nil, nil, 0
 	}
 	in.reg.Proc(slot).Claim(uint32(pid), info.startTime) //nolint:gosec // pids fit
 	in.setUsed(slot)
@@ -298,9 +318,10 @@ func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerI
 	e.o.log.Debug("attached", "instance", in.name, "slot", slot, "pid", pid)
 	resp.Status = attach.OK
 	resp.Slot = uint32(slot) //nolint:gosec // < MaxProcs
-	resp.RegionSize = region.FileSize
+	resp.ControlSize = region.ControlFileSize
+	resp.ProcSize = region.ProcFileSize
 	resp.InstanceID = uint32(in.id) //nolint:gosec // small
-	return resp, fd, in, slot
+	return resp, fds, in, slot
 }
 
 // exited reports whether a pidfd's process has exited (the pidfd polls

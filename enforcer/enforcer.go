@@ -35,6 +35,7 @@ import (
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/enforcer/arbiter"
 	"github.com/mgpu-dev/mgpu/enforcer/procfs"
+	"github.com/mgpu-dev/mgpu/enforcer/region"
 	"github.com/mgpu-dev/mgpu/internal/config"
 	"github.com/mgpu-dev/mgpu/internal/device"
 )
@@ -99,6 +100,7 @@ type Enforcer struct {
 	dev      device.Info
 	runDir   string
 	regions  string
+	view     *region.View // read-only view of regions: what processes get
 	statePth string
 	lock     *os.File
 	bootID   string
@@ -194,6 +196,9 @@ func (e *Enforcer) setup() error {
 		return err
 	}
 	var err error
+	if e.view, err = region.NewView(e.regions); err != nil {
+		return err
+	}
 	if e.selfNS, err = e.o.proc.PidNS(os.Getpid()); err != nil {
 		return fmt.Errorf("read own pid namespace: %w", err)
 	}
@@ -375,6 +380,7 @@ func (e *Enforcer) Close() {
 		if e.w != nil {
 			e.w.close()
 		}
+		_ = e.view.Close()
 		if e.lock != nil {
 			_ = e.lock.Close()
 		}

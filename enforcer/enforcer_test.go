@@ -3,6 +3,8 @@ package enforcer
 import (
 	"context"
 	"errors"
+	"io"
+	"net"
 	"os"
 	"strings"
 	"syscall"
@@ -13,6 +15,7 @@ import (
 	"github.com/mgpu-dev/mgpu/enforcer/attach"
 	"github.com/mgpu-dev/mgpu/enforcer/procfs"
 	"github.com/mgpu-dev/mgpu/enforcer/region"
+	"golang.org/x/sys/unix"
 )
 
 var ctx = context.Background()
@@ -226,16 +229,14 @@ func TestAttach(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer res.Region.Close()
-	if res.RegionSize != region.FileSize || res.DeviceIndex != 0 || res.InstanceID != uint32(out.Instance.ID) {
-		t.Fatalf("response %+v", res.Response)
+	if res.ControlSize != region.ControlFileSize || res.ProcSize != region.ProcFileSize || res.DeviceIndex != 0 || res.InstanceID != uint32(out.Instance.ID) || len(res.Procs) != region.MaxProcs {
+		t.Fatalf("response %+v, %d proc files", res.Response, len(res.Procs))
 	}
-	l := mapRegion(t, res.Region)
+	l, p := mapAttach(t, res)
 	if l.Magic != region.Magic || l.Core != 40 || l.MemoryLimit != 2048<<20 || l.InstanceID != 0 {
 		t.Fatalf("header %+v", l)
 	}
 	st, _ := procfs.Host.Stat(os.Getpid())
-	p := &l.Procs[res.Slot]
 	if p.PID.Load() != uint32(os.Getpid()) || p.StartTime.Load() != st.StartTime {
 		t.Fatalf("slot %d: pid %d start %d", res.Slot, p.PID.Load(), p.StartTime.Load())
 	}
@@ -254,7 +255,7 @@ func TestAttach(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	res2.Region.Close()
+	res2.Close()
 	if res2.Slot != res.Slot || p.MemReserved.Load() != 0 || p.PID.Load() != uint32(os.Getpid()) {
 		t.Fatalf("re-attach: slot %d (was %d), mem %d", res2.Slot, res.Slot, p.MemReserved.Load())
 	}
@@ -291,10 +292,29 @@ func TestAttachMalformed(t *testing.T) {
 		t.Fatal(err)
 	}
 	sock := api.ClientSocket(env.runDir())
-	bad := attach.Request{Magic: attach.Magic, Version: 7}.Marshal()
-	_, err := attach.DialRequest(sock, bad[:], 5*time.Second)
+	// A shim of protocol 1 (one writable region file) is refused in its
+	// own response layout, with a message that says what to do.
+	old := attach.Request{Magic: attach.Magic, Version: 1}.Marshal()
+	_, err := attach.DialRequest(sock, old[:], 5*time.Second)
 	var re *attach.RefusedError
-	if !errors.As(err, &re) || re.Status != attach.BadRequest || !strings.Contains(err.Error(), "version 7") {
+	want := "mgpu: bad attach request: the shim speaks attach protocol 1, this enforcer speaks 2: install the libmgpu-shim.so of the enforcer's release"
+	if !errors.As(err, &re) || re.Status != attach.BadRequest || err.Error() != want {
+		t.Fatalf("version 1: %v\nwant %s", err, want)
+	}
+	conn, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Write(old[:]); err != nil {
+		t.Fatal(err)
+	}
+	raw, err := io.ReadAll(conn)
+	conn.Close()
+	if err != nil || len(raw) != attach.ResponseSize || raw[4] != 1 {
+		t.Fatalf("reply to a version 1 request: %d bytes, version byte %v, %v", len(raw), raw[4:5], err)
+	}
+	bad := attach.Request{Magic: attach.Magic, Version: 7}.Marshal()
+	if _, err = attach.DialRequest(sock, bad[:], 5*time.Second); !errors.As(err, &re) || re.Status != attach.BadRequest || !strings.Contains(err.Error(), "protocol 7") {
 		t.Fatalf("bad version: %v", err)
 	}
 	// A short request, then silence: the server closes the connection at
@@ -307,7 +327,7 @@ func TestAttachMalformed(t *testing.T) {
 	if err != nil {
 		t.Fatalf("after malformed requests: %v", err)
 	}
-	res.Region.Close()
+	res.Close()
 }
 
 func TestReapDeadProcessAndInstance(t *testing.T) {
@@ -487,9 +507,9 @@ func TestContainerByCgroup(t *testing.T) {
 	})
 }
 
-// TestTruncatedRegion: a process that truncates its region (its descriptor
-// is writable) breaks its own instance only: the enforcer repairs the file,
-// releases that instance and keeps serving the others.
+// TestTruncatedRegion: a process that truncates its own proc file (its
+// descriptor is writable) breaks its own instance only: the enforcer
+// repairs the file, releases that instance and keeps serving the others.
 func TestTruncatedRegion(t *testing.T) {
 	env := newEnv(t, nil)
 	env.start(t)
@@ -505,8 +525,8 @@ func TestTruncatedRegion(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer res.Region.Close()
-	if err := res.Region.Truncate(0); err != nil {
+	defer res.Close()
+	if err := res.Own.Truncate(0); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, 5*time.Second, "the truncated instance is released", func() bool {
@@ -519,9 +539,11 @@ func TestTruncatedRegion(t *testing.T) {
 	}
 }
 
-// TestGrantOverruled: a process that sets its own grant is overruled by
-// the next tick.
-func TestGrantOverruled(t *testing.T) {
+// TestAttachedFilesAreReadOnly: of what an attach hands out, only the
+// caller's own proc file can be written; the control file (grant, quotas)
+// and the other slots' files cannot be made writable by a root process,
+// by any route it has.
+func TestAttachedFilesAreReadOnly(t *testing.T) {
 	env := newEnv(t, nil)
 	env.start(t)
 	if _, err := env.client().Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
@@ -531,8 +553,19 @@ func TestGrantOverruled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := mapRegion(t, res.Region)
-	res.Region.Close()
-	l.Grant.Store(7)
-	eventually(t, 5*time.Second, "self-granted word reset", func() bool { return l.Grant.Load() == 0 })
+	defer res.Close()
+	other := (int(res.Slot) + 1) % region.MaxProcs
+	for name, f := range map[string]*os.File{"control": res.Control, "another slot": res.Procs[other], "own slot (read-only copy)": res.Procs[res.Slot]} {
+		if _, err := unix.Mmap(int(f.Fd()), 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); !errors.Is(err, unix.EACCES) {
+			t.Errorf("%s: mmap writable: %v, want EACCES", name, err)
+		}
+		if fd, err := unix.Open("/proc/self/fd/"+itoa(int(f.Fd())), unix.O_RDWR, 0); !errors.Is(err, unix.EROFS) {
+			if err == nil {
+				unix.Close(fd)
+			}
+			t.Errorf("%s: reopen for writing: %v, want EROFS", name, err)
+		}
+	}
+	own := mapFile(t, res.Own, region.ProcFileSize, unix.PROT_READ|unix.PROT_WRITE)
+	own[8] = 1 // mem_reserved: the own slot is writable
 }

@@ -268,15 +268,38 @@ func dirBase(p string) string { return filepath.Base(p) }
 
 func layoutOf(mem []byte) *region.Layout { return (*region.Layout)(unsafe.Pointer(&mem[0])) }
 
-// mapRegion maps a region fd or file for the test, like the shim does.
-func mapRegion(t testing.TB, f *os.File) *region.Layout {
+// mapAttach maps what an attach returned, like the shim does: the control
+// file read-only and the caller's own proc file read-write. It closes the
+// result's files.
+func mapAttach(t testing.TB, res *attach.Result) (*region.Layout, region.Proc) {
 	t.Helper()
-	mem, err := unix.Mmap(int(f.Fd()), 0, region.FileSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	defer res.Close()
+	ctl := mapFile(t, res.Control, region.ControlFileSize, unix.PROT_READ)
+	own := mapFile(t, res.Own, region.ProcFileSize, unix.PROT_READ|unix.PROT_WRITE)
+	l := layoutOf(ctl)
+	return l, region.Proc{Slot: &l.Slots[res.Slot], Counters: (*region.Counters)(unsafe.Pointer(&own[0]))}
+}
+
+// openRegion maps a region directly from the run directory (as root on
+// the host, not as a process of the instance would).
+func openRegion(t testing.TB, dir string) *region.Region {
+	t.Helper()
+	r, err := region.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.Close() })
+	return r
+}
+
+func mapFile(t testing.TB, f *os.File, size, prot int) []byte {
+	t.Helper()
+	mem, err := unix.Mmap(int(f.Fd()), 0, size, prot, unix.MAP_SHARED)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = unix.Munmap(mem) })
-	return layoutOf(mem)
+	return mem
 }
 
 // rawRequest sends an HTTP request over the control socket.

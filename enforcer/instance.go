@@ -91,7 +91,7 @@ func (in *instance) forSlots(f func(i int)) {
 }
 
 // fold adds a slot's counters to the reaped totals.
-func (in *instance) fold(p *region.Proc) {
+func (in *instance) fold(p region.Proc) {
 	in.reapedGPU += p.GPUNs.Load()
 	in.reapedThrottled += p.ThrottledNs.Load()
 	in.reapedLaunches += p.Launches.Load()
@@ -332,7 +332,7 @@ func (e *Enforcer) admitLocked(req api.CreateRequest, id identity, pfd int) (*in
 	in.pid, in.startTime, in.pidNS, in.cgroup = req.PID, id.startTime, id.pidNS, id.cgroup
 	in.policy, in.core, in.memMiB, in.created = pol, req.Core, req.MemoryMiB, time.Now().UTC()
 	in.path = filepath.Join(e.regions, in.name)
-	if err := os.Remove(in.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := region.Remove(in.path); err != nil {
 		return nil, false, fmt.Errorf("remove stale region: %w", err)
 	}
 	reg, err := region.Create(in.path, e.params(in))
@@ -434,7 +434,7 @@ func (e *Enforcer) releaseLocked(in *instance, why string) {
 	in.closeFDs()
 	e.guard(func() { in.reg.SetGrant(0) })
 	_ = in.reg.Close()
-	if err := os.Remove(in.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := region.Remove(in.path); err != nil {
 		e.o.log.Warn("remove region", "path", in.path, "err", err)
 	}
 	e.o.log.Info("released", "instance", in.name, "container", in.containerID, "reason", why)

@@ -148,7 +148,7 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 			for word != 0 {
 				b := bits.TrailingZeros64(word)
 				word &= word - 1
-				p := &in.reg.L().Procs[w*64+b]
+				p := in.reg.Proc(w*64 + b)
 				gpu += p.GPUNs.Load()
 				queued += p.QueuedNs.Load()
 				launches += p.Launches.Load()

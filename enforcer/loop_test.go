@@ -34,9 +34,7 @@ func TestArbitration(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a := mapRegion(t, res.Region)
-	res.Region.Close()
-	pa := &a.Procs[res.Slot]
+	a, pa := mapAttach(t, res)
 
 	// Instance B is rooted at a helper process, which attaches to it.
 	h := startHelper(t, api.ClientSocket(env.runDir()), nil)
@@ -46,13 +44,8 @@ func TestArbitration(t *testing.T) {
 	if line := h.attach(t); line != "ok slot=0 instance=1" {
 		t.Fatalf("helper: %s", line)
 	}
-	fb, err := os.OpenFile(env.runDir()+"/regions/mgpu0inst1", os.O_RDWR, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b := mapRegion(t, fb)
-	fb.Close()
-	pb := &b.Procs[0]
+	rb := openRegion(t, env.runDir()+"/regions/mgpu0inst1")
+	b, pb := rb.L(), rb.Proc(0)
 	if pb.PID.Load() != uint32(h.cmd.Process.Pid) {
 		t.Fatalf("helper's slot holds pid %d", pb.PID.Load())
 	}
@@ -97,7 +90,7 @@ func TestArbitration(t *testing.T) {
 			dt := now.Sub(last)
 			last = now
 			mu.Lock()
-			for name, p := range map[string]*region.Proc{"a": pa, "b": pb} {
+			for name, p := range map[string]region.Proc{"a": pa, "b": pb} {
 				l := a
 				if name == "b" {
 					l = b
@@ -192,10 +185,9 @@ func TestIdleCost(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := mapRegion(t, res.Region)
-	res.Region.Close()
+	_, p := mapAttach(t, res)
 	measure("idle (process attached, no work)", 6)
-	l.Procs[res.Slot].Waiting.Store(1)
+	p.Waiting.Store(1)
 	measure("active (a thread waits, ticks at the arbiter's next decision)", 25)
 }
 

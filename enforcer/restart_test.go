@@ -64,9 +64,7 @@ func TestKillAndRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := mapRegion(t, res.Region)
-	res.Region.Close()
-	p := &l.Procs[res.Slot]
+	l, p := mapAttach(t, res)
 	epoch := l.EnforcerEpoch.Load()
 	// Act like the shim: work measured, memory reserved, a thread waiting.
 	p.GPUNs.Store(7e6)
@@ -83,7 +81,9 @@ func TestKillAndRestart(t *testing.T) {
 	_ = sl.Process.Kill()
 	_ = sl.Wait()
 	p.Waiting.Store(0)
-	l.Grant.Store(0) // as if the dead enforcer had revoked it
+	// As if the dead enforcer had revoked the grant (through the host's
+	// files: the process's own mapping is read-only).
+	openRegion(t, env.runDir()+"/regions/mgpu0inst0").L().Grant.Store(0)
 
 	startDaemon(t, env)
 	list, err := c.List(ctx)

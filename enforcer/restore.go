@@ -74,12 +74,12 @@ func (e *Enforcer) adopt(si stateInstance, sameBoot bool) error {
 	}
 	if err != nil {
 		if !rootAlive {
-			_ = os.Remove(in.path)
+			_ = region.Remove(in.path)
 			e.o.log.Info("released", "instance", in.name, "container", in.containerID, "reason", "its processes are gone")
 			return nil
 		}
 		e.o.log.Warn("region unusable; creating it anew (processes attached to the old one must restart)", "instance", in.name, "err", err)
-		_ = os.Remove(in.path)
+		_ = region.Remove(in.path)
 		if reg, err = region.Create(in.path, e.params(in)); err != nil {
 			return err
 		}
@@ -121,7 +121,7 @@ func (e *Enforcer) adopt(si stateInstance, sameBoot bool) error {
 		in.rootGone = true
 		if in.nused == 0 {
 			_ = reg.Close()
-			_ = os.Remove(in.path)
+			_ = region.Remove(in.path)
 			e.o.log.Info("released", "instance", in.name, "container", in.containerID, "reason", "its processes are gone")
 			return nil
 		}
@@ -131,7 +131,7 @@ func (e *Enforcer) adopt(si stateInstance, sameBoot bool) error {
 	return nil
 }
 
-// removeStrayRegions deletes region files of no instance (a crash between
+// removeStrayRegions deletes regions of no instance (a crash between
 // creating a region and writing the state).
 func (e *Enforcer) removeStrayRegions() {
 	ents, err := os.ReadDir(e.regions)
@@ -144,7 +144,7 @@ func (e *Enforcer) removeStrayRegions() {
 			continue
 		}
 		p := filepath.Join(e.regions, ent.Name())
-		if err := os.Remove(p); err == nil {
+		if err := region.Remove(p); err == nil {
 			e.o.log.Info("removed stray region", "path", p)
 		}
 	}

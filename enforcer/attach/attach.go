@@ -1,6 +1,6 @@
 // Package attach implements the wire format of the attach protocol of
 // enforcer/shim/include/mgpu_region.h (one 16-byte request, one 256-byte
-// response carrying the region's file descriptor) and a Go client for it.
+// response carrying the region's file descriptors) and a Go client for it.
 // The enforcer serves it on /run/mgpu/gpuX/client/client.sock.
 package attach
 
@@ -15,8 +15,9 @@ import (
 // Constants of mgpu_region.h.
 const (
 	Magic      uint32 = 0x4150474d // MGPU_ATTACH_MAGIC, "MGPA" little-endian
-	Version    uint32 = 1          // MGPU_ATTACH_VERSION
+	Version    uint32 = 2          // MGPU_ATTACH_VERSION
 	MessageLen        = 224        // MGPU_ATTACH_MESSAGE_LEN
+	FDs               = 2 + 128    // MGPU_ATTACH_FDS: control, own proc file, every proc file
 
 	RequestSize  = 16
 	ResponseSize = 256
@@ -27,7 +28,7 @@ type Status int32
 
 // Statuses (MGPU_ATTACH_*).
 const (
-	OK         Status = 0 // the response carries the region fd
+	OK         Status = 0 // the response carries the region's descriptors
 	NoInstance Status = 1 // the caller belongs to no instance of this device
 	NoSlot     Status = 2 // the instance has MGPU_REGION_MAX_PROCS processes
 	BadRequest Status = 3 // wrong magic, version, size or flags
@@ -85,20 +86,26 @@ func DecodeRequest(b []byte) (Request, error) {
 	case r.Magic != Magic:
 		return r, fmt.Errorf("%w: magic %#x, want %#x", ErrBadRequest, r.Magic, Magic)
 	case r.Version != Version:
-		return r, fmt.Errorf("%w: version %d, this enforcer speaks %d", ErrBadRequest, r.Version, Version)
+		return r, fmt.Errorf("%w: the shim speaks attach protocol %d, this enforcer speaks %d: install the libmgpu-shim.so of the enforcer's release",
+			ErrBadRequest, r.Version, Version)
 	case r.Flags != 0:
 		return r, fmt.Errorf("%w: flags %#x, want 0", ErrBadRequest, r.Flags)
 	}
 	return r, nil
 }
 
-// Response is mgpu_attach_resp_t (magic and version implied).
+// Response is mgpu_attach_resp_t (magic implied).
 type Response struct {
+	// Version is the response's protocol version; 0 means Version. A
+	// refusal of a request of another version is sent in that version
+	// (magic, version, status and message have the same offsets in all).
+	Version     uint32
 	Status      Status
 	Slot        uint32
-	RegionSize  uint32
+	ControlSize uint32
 	DeviceIndex uint32
 	InstanceID  uint32
+	ProcSize    uint32
 	Message     string // at most MessageLen-1 bytes travel
 }
 
@@ -107,13 +114,18 @@ type Response struct {
 func (r Response) Marshal() [ResponseSize]byte {
 	var b [ResponseSize]byte
 	le := binary.LittleEndian
+	v := r.Version
+	if v == 0 {
+		v = Version
+	}
 	le.PutUint32(b[0:], Magic)
-	le.PutUint32(b[4:], Version)
+	le.PutUint32(b[4:], v)
 	le.PutUint32(b[8:], uint32(r.Status)) //nolint:gosec // two's complement on the wire, like int32_t
 	le.PutUint32(b[12:], r.Slot)
-	le.PutUint32(b[16:], r.RegionSize)
+	le.PutUint32(b[16:], r.ControlSize)
 	le.PutUint32(b[20:], r.DeviceIndex)
 	le.PutUint32(b[24:], r.InstanceID)
+	le.PutUint32(b[28:], r.ProcSize)
 	copy(b[32:32+MessageLen-1], truncate(r.Message, MessageLen-1))
 	return b
 }
@@ -132,25 +144,29 @@ func truncate(s string, n int) string {
 	return s
 }
 
-// DecodeResponse parses one response.
+// DecodeResponse parses one response of any version (a refusal keeps its
+// layout across versions); the caller checks Version before using the
+// rest of an OK response.
 func DecodeResponse(b []byte) (Response, error) {
 	if len(b) != ResponseSize {
 		return Response{}, fmt.Errorf("bad attach response: %d bytes, want %d", len(b), ResponseSize)
 	}
 	le := binary.LittleEndian
-	if m, v := le.Uint32(b[0:]), le.Uint32(b[4:]); m != Magic || v != Version {
-		return Response{}, fmt.Errorf("bad attach response: magic %#x version %d", m, v)
+	if m := le.Uint32(b[0:]); m != Magic {
+		return Response{}, fmt.Errorf("bad attach response: magic %#x", m)
 	}
 	msg := b[32 : 32+MessageLen]
 	if i := bytes.IndexByte(msg, 0); i >= 0 {
 		msg = msg[:i]
 	}
 	return Response{
+		Version:     le.Uint32(b[4:]),
 		Status:      Status(int32(le.Uint32(b[8:]))), //nolint:gosec // int32_t on the wire
 		Slot:        le.Uint32(b[12:]),
-		RegionSize:  le.Uint32(b[16:]),
+		ControlSize: le.Uint32(b[16:]),
 		DeviceIndex: le.Uint32(b[20:]),
 		InstanceID:  le.Uint32(b[24:]),
+		ProcSize:    le.Uint32(b[28:]),
 		Message:     string(msg),
 	}, nil
 }

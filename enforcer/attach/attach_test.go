@@ -19,7 +19,8 @@ func TestRequestRoundTrip(t *testing.T) {
 		size int
 	}{
 		{"magic", func(r *Request) { r.Magic = 1 }, RequestSize},
-		{"version", func(r *Request) { r.Version = 2 }, RequestSize},
+		{"version 1", func(r *Request) { r.Version = 1 }, RequestSize},
+		{"version 3", func(r *Request) { r.Version = 3 }, RequestSize},
 		{"flags", func(r *Request) { r.Flags = 1 }, RequestSize},
 		{"short", func(*Request) {}, RequestSize - 1},
 	} {
@@ -36,7 +37,7 @@ func TestRequestRoundTrip(t *testing.T) {
 
 func TestResponseRoundTrip(t *testing.T) {
 	t.Parallel()
-	in := Response{Status: NoInstance, Slot: 3, RegionSize: 12288, DeviceIndex: 1, InstanceID: 9, Message: "pid 1 belongs to no mgpu instance"}
+	in := Response{Version: Version, Status: NoInstance, Slot: 3, ControlSize: 4096, ProcSize: 4096, DeviceIndex: 1, InstanceID: 9, Message: "pid 1 belongs to no mgpu instance"}
 	b := in.Marshal()
 	out, err := DecodeResponse(b[:])
 	if err != nil || out != in {
@@ -79,7 +80,7 @@ func FuzzDecodeRequest(f *testing.F) {
 }
 
 func FuzzDecodeResponse(f *testing.F) {
-	b := Response{Status: OK, RegionSize: 12288, Message: "x"}.Marshal()
+	b := Response{Status: OK, ControlSize: 4096, ProcSize: 4096, Message: "x"}.Marshal()
 	f.Add(b[:])
 	f.Fuzz(func(t *testing.T, b []byte) {
 		r, err := DecodeResponse(b)

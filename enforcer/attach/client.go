@@ -1,7 +1,6 @@
 package attach
 
 import (
-	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -10,11 +9,22 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Result is a successful attach: the response and the region file, which the
-// caller maps (MAP_SHARED, RegionSize bytes) and closes.
+// Result is a successful attach: the response and the region's files, which
+// the caller maps (MAP_SHARED) and closes (Close).
 type Result struct {
 	Response
-	Region *os.File
+	Control *os.File   // the control file, read-only (ControlSize bytes)
+	Own     *os.File   // the caller's proc file, read-write (ProcSize bytes)
+	Procs   []*os.File // every slot's proc file, read-only, by slot
+}
+
+// Close closes every file of the result.
+func (r *Result) Close() {
+	for _, f := range append([]*os.File{r.Control, r.Own}, r.Procs...) {
+		if f != nil {
+			_ = f.Close()
+		}
+	}
 }
 
 // RefusedError is an attach the enforcer answered with a status other than
@@ -54,7 +64,7 @@ func DialRequest(path string, req []byte, timeout time.Duration) (*Result, error
 		return nil, fmt.Errorf("attach: send request: %w", err)
 	}
 	buf := make([]byte, ResponseSize)
-	oob := make([]byte, unix.CmsgSpace(4*4))
+	oob := make([]byte, unix.CmsgSpace(4*(FDs+2)))
 	n, oobn, _, _, err := uc.ReadMsgUnix(buf, oob)
 	if err != nil {
 		return nil, fmt.Errorf("attach: read response: %w", err)
@@ -94,9 +104,17 @@ func DialRequest(path string, req []byte, timeout time.Duration) (*Result, error
 		closeFDs()
 		return nil, &RefusedError{Status: resp.Status, Message: resp.Message}
 	}
-	if len(fds) != 1 {
+	if resp.Version != Version {
 		closeFDs()
-		return nil, errors.New("attach: response without exactly one region descriptor")
+		return nil, fmt.Errorf("attach: response of protocol version %d, this client speaks %d", resp.Version, Version)
 	}
-	return &Result{Response: resp, Region: os.NewFile(uintptr(fds[0]), "region")}, nil
+	if len(fds) != FDs {
+		closeFDs()
+		return nil, fmt.Errorf("attach: response with %d descriptors, want %d", len(fds), FDs)
+	}
+	res := &Result{Response: resp, Control: os.NewFile(uintptr(fds[0]), "control"), Own: os.NewFile(uintptr(fds[1]), "own proc")} //nolint:gosec // fds are non-negative
+	for _, fd := range fds[2:] {
+		res.Procs = append(res.Procs, os.NewFile(uintptr(fd), "proc")) //nolint:gosec // fds are non-negative
+	}
+	return res, nil
 }

@@ -24,13 +24,14 @@ func TestWireMatchesHeader(t *testing.T) {
 		"mgpu_attach_resp_t.version":      4,
 		"mgpu_attach_resp_t.status":       8,
 		"mgpu_attach_resp_t.slot":         12,
-		"mgpu_attach_resp_t.region_size":  16,
+		"mgpu_attach_resp_t.control_size": 16,
 		"mgpu_attach_resp_t.device_index": 20,
 		"mgpu_attach_resp_t.instance_id":  24,
-		"mgpu_attach_resp_t.reserved":     28,
+		"mgpu_attach_resp_t.proc_size":    28,
 		"mgpu_attach_resp_t.message":      32,
 		"MGPU_ATTACH_MAGIC":               uint64(Magic),
 		"MGPU_ATTACH_VERSION":             uint64(Version),
+		"MGPU_ATTACH_FDS":                 FDs,
 		"MGPU_ATTACH_OK":                  uint64(OK),
 		"MGPU_ATTACH_NO_INSTANCE":         uint64(NoInstance),
 		"MGPU_ATTACH_NO_SLOT":             uint64(NoSlot),
@@ -50,8 +51,8 @@ func TestWireMatchesHeader(t *testing.T) {
 		}
 	}
 	// The encoder really writes the fields at those offsets.
-	b := Response{Status: NoSlot, Slot: 0x11, RegionSize: 0x22, DeviceIndex: 0x33, InstanceID: 0x44, Message: "m"}.Marshal()
-	for off, v := range map[int]byte{8: 2, 12: 0x11, 16: 0x22, 20: 0x33, 24: 0x44, 32: 'm'} {
+	b := Response{Status: NoSlot, Slot: 0x11, ControlSize: 0x22, DeviceIndex: 0x33, InstanceID: 0x44, ProcSize: 0x55, Message: "m"}.Marshal()
+	for off, v := range map[int]byte{4: byte(Version), 8: 2, 12: 0x11, 16: 0x22, 20: 0x33, 24: 0x44, 28: 0x55, 32: 'm'} {
 		if b[off] != v {
 			t.Errorf("byte %d is %#x, want %#x", off, b[off], v)
 		}

@@ -1,8 +1,9 @@
 // Package region mirrors the per-instance shared region of
 // enforcer/shim/include/mgpu_region.h in Go: the layout (as Go structs whose
-// offsets a test checks against the C header), creating and opening region
-// files, mapping them, atomic access to their shared words, and waking the
-// futex waiters of the grant word.
+// offsets a test checks against the C header), creating and opening the
+// region's files, mapping them, handing their descriptors to a process
+// (read-only where the process must not write), atomic access to their
+// shared words, and waking the futex waiters of the grant word.
 package region
 
 import (
@@ -12,12 +13,14 @@ import (
 
 // Constants of mgpu_region.h.
 const (
-	Magic    uint32 = 0x5550474d // MGPU_REGION_MAGIC, "MGPU" little-endian
-	Version  uint32 = 1          // MGPU_REGION_VERSION
-	MaxProcs        = 128        // MGPU_REGION_MAX_PROCS
-	FileSize        = 12288      // MGPU_REGION_FILE_SIZE, bytes
+	Magic           uint32 = 0x5550474d // MGPU_REGION_MAGIC, "MGPU" little-endian
+	Version         uint32 = 2          // MGPU_REGION_VERSION
+	MaxProcs               = 128        // MGPU_REGION_MAX_PROCS
+	ControlFileSize        = 4096       // MGPU_CONTROL_FILE_SIZE, bytes
+	ProcFileSize           = 4096       // MGPU_PROC_FILE_SIZE, bytes
 
-	HeaderSize = 256 // bytes before procs[0]
+	HeaderSize = 256 // bytes of the control file before slots[0]
+	SlotSize   = 16  // sizeof(mgpu_slot_t)
 	ProcSize   = 64  // sizeof(mgpu_proc_t)
 )
 
@@ -28,21 +31,28 @@ const (
 	PolicyNativeBurstShare     uint32 = 2
 )
 
-// Proc mirrors mgpu_proc_t: one attached process. The enforcer writes PID
-// and StartTime; the shim writes the counters of its own slot only.
-type Proc struct {
-	PID         atomic.Uint32 // host pid owning the slot; 0 = free
+// Slot mirrors mgpu_slot_t: the owner of a process slot, in the control
+// file, written by the enforcer only.
+type Slot struct {
+	PID       atomic.Uint32 // host pid owning the slot; 0 = free
+	Reserved  uint32
+	StartTime atomic.Uint64 // /proc/<pid>/stat starttime (clock ticks), written before PID
+}
+
+// Counters mirrors mgpu_proc_t: what one attached process reports, in its
+// own proc file. Every value is untrusted input.
+type Counters struct {
 	Waiting     atomic.Uint32 // threads blocked on the grant
+	Reserved32  uint32
 	MemReserved atomic.Uint64 // device bytes held
 	GPUNs       atomic.Uint64 // cumulative measured GPU time
 	QueuedNs    atomic.Uint64 // submitted GPU time not yet known complete
 	Launches    atomic.Uint64 // cumulative gated launches
 	ThrottledNs atomic.Uint64 // cumulative time threads waited for a grant
-	StartTime   atomic.Uint64 // /proc/<pid>/stat starttime (clock ticks); plain in C, written before PID
-	Reserved    uint64
+	Reserved    [2]uint64
 }
 
-// Layout mirrors mgpu_region_t.
+// Layout mirrors mgpu_control_t, the control file.
 type Layout struct {
 	// Identity and quotas: written before the region is handed out.
 	Magic       uint32
@@ -71,15 +81,18 @@ type Layout struct {
 
 	ReservedTail [16]uint64
 
-	Procs [MaxProcs]Proc
+	Slots [MaxProcs]Slot
 }
 
 // Compile-time checks of the sizes the header asserts; the offsets of every
 // field are checked against the C header by layout_cgo_test.go.
 var (
-	_ [ProcSize - unsafe.Sizeof(Proc{})]byte
-	_ [unsafe.Sizeof(Proc{}) - ProcSize]byte
-	_ [HeaderSize + ProcSize*MaxProcs - unsafe.Sizeof(Layout{})]byte
-	_ [unsafe.Sizeof(Layout{}) - (HeaderSize + ProcSize*MaxProcs)]byte
-	_ [FileSize - unsafe.Sizeof(Layout{})]byte
+	_ [ProcSize - unsafe.Sizeof(Counters{})]byte
+	_ [unsafe.Sizeof(Counters{}) - ProcSize]byte
+	_ [SlotSize - unsafe.Sizeof(Slot{})]byte
+	_ [unsafe.Sizeof(Slot{}) - SlotSize]byte
+	_ [HeaderSize + SlotSize*MaxProcs - unsafe.Sizeof(Layout{})]byte
+	_ [unsafe.Sizeof(Layout{}) - (HeaderSize + SlotSize*MaxProcs)]byte
+	_ [ControlFileSize - unsafe.Sizeof(Layout{})]byte
+	_ [ProcFileSize - unsafe.Sizeof(Counters{})]byte
 )

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"path/filepath"
 	"sync/atomic"
 	"unsafe"
 
@@ -22,38 +23,63 @@ type Params struct {
 	MaxQueuedNs uint64
 }
 
-// Region is one mapped region file.
+// Region is one mapped region: its control file and its proc files.
 type Region struct {
-	f   *os.File
-	mem []byte
-	l   *Layout
+	dir   string
+	ctl   []byte
+	l     *Layout
+	procs [MaxProcs][]byte
+	c     [MaxProcs]*Counters
 }
 
-// ErrInvalid is returned (wrapped) by Open for a file that is not a valid
-// region.
+// Proc is slot i of a region: its owner (control file) and its counters
+// (the slot's proc file).
+type Proc struct {
+	*Slot
+	*Counters
+}
+
+// ErrInvalid is returned (wrapped) by Open for a directory that is not a
+// valid region.
 var ErrInvalid = errors.New("not a valid mgpu region")
 
-// Create makes a new region file at path (mode 0600; it must not exist),
-// sized to FileSize, with its header filled from p, and maps it.
-func Create(path string, p Params) (*Region, error) {
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600) //nolint:gosec // the enforcer's own run directory
-	if err != nil {
+// ControlName is the name of the control file in a region directory.
+const ControlName = "control"
+
+// ProcName returns the name of slot i's proc file in a region directory.
+func ProcName(i int) string { return fmt.Sprintf("proc.%03d", i) }
+
+// Create makes a new region directory at dir (mode 0700; it must not
+// exist) with its control file filled from p and MaxProcs zeroed proc
+// files (all 0600), and maps them.
+func Create(dir string, p Params) (*Region, error) {
+	if err := os.Mkdir(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create region: %w", err)
 	}
-	if err := f.Truncate(FileSize); err != nil {
-		_ = f.Close()
-		_ = os.Remove(path)
-		return nil, fmt.Errorf("create region %q: %w", path, err)
-	}
-	r, err := mapFile(f)
+	r, err := create(dir, p)
 	if err != nil {
-		_ = f.Close()
-		_ = os.Remove(path)
-		return nil, fmt.Errorf("create region %q: %w", path, err)
+		_ = os.RemoveAll(dir)
+		return nil, fmt.Errorf("create region %q: %w", dir, err)
+	}
+	return r, nil
+}
+
+func create(dir string, p Params) (*Region, error) {
+	for i := range MaxProcs {
+		if err := makeFile(filepath.Join(dir, ProcName(i)), ProcFileSize); err != nil {
+			return nil, err
+		}
+	}
+	if err := makeFile(filepath.Join(dir, ControlName), ControlFileSize); err != nil {
+		return nil, err
+	}
+	r, err := mapDir(dir)
+	if err != nil {
+		return nil, err
 	}
 	l := r.l
 	l.Version = Version
-	l.Size = FileSize
+	l.Size = ControlFileSize
 	l.MaxProcs = MaxProcs
 	l.DeviceIndex = p.DeviceIndex
 	l.InstanceID = p.InstanceID
@@ -64,40 +90,63 @@ func Create(path string, p Params) (*Region, error) {
 	l.MaxQueuedNs = p.MaxQueuedNs
 	// Magic last: a reader that sees it sees a complete header.
 	atomic.StoreUint32(&l.Magic, Magic)
-	if err := f.Sync(); err != nil {
+	if err := unix.Msync(r.ctl, unix.MS_SYNC); err != nil {
 		_ = r.Close()
-		_ = os.Remove(path)
-		return nil, fmt.Errorf("create region %q: %w", path, err)
+		return nil, fmt.Errorf("msync: %w", err)
 	}
 	return r, nil
 }
 
-// Open maps an existing region file and checks its header.
-func Open(path string) (*Region, error) {
-	f, err := os.OpenFile(path, os.O_RDWR, 0) //nolint:gosec // the enforcer's own run directory
+func makeFile(path string, size int64) error {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600) //nolint:gosec // the enforcer's own run directory
 	if err != nil {
-		return nil, fmt.Errorf("open region: %w", err)
+		return err
 	}
-	st, err := f.Stat()
+	err = f.Truncate(size)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// Open maps an existing region directory and checks its header.
+func Open(dir string) (*Region, error) {
+	for i := -1; i < MaxProcs; i++ {
+		name, size := ControlName, int64(ControlFileSize)
+		if i >= 0 {
+			name, size = ProcName(i), ProcFileSize
+		}
+		st, err := os.Stat(filepath.Join(dir, name))
+		if err != nil {
+			if i < 0 && !errors.Is(err, os.ErrNotExist) {
+				return nil, fmt.Errorf("open region: %w", err)
+			}
+			if errors.Is(err, os.ErrNotExist) {
+				if _, derr := os.Stat(dir); derr != nil {
+					return nil, fmt.Errorf("open region: %w", derr)
+				}
+				return nil, fmt.Errorf("open region %q: %w: %s is missing", dir, ErrInvalid, name)
+			}
+			return nil, fmt.Errorf("open region: %w", err)
+		}
+		if !st.Mode().IsRegular() || st.Size() != size {
+			return nil, fmt.Errorf("open region %q: %w: %s has size %d, want %d", dir, ErrInvalid, name, st.Size(), size)
+		}
+	}
+	r, err := mapDir(dir)
 	if err != nil {
-		_ = f.Close()
-		return nil, fmt.Errorf("open region %q: %w", path, err)
-	}
-	if st.Size() != FileSize {
-		_ = f.Close()
-		return nil, fmt.Errorf("open region %q: %w: size %d, want %d", path, ErrInvalid, st.Size(), FileSize)
-	}
-	r, err := mapFile(f)
-	if err != nil {
-		_ = f.Close()
-		return nil, fmt.Errorf("open region %q: %w", path, err)
+		return nil, fmt.Errorf("open region %q: %w", dir, err)
 	}
 	if err := r.check(); err != nil {
 		_ = r.Close()
-		return nil, fmt.Errorf("open region %q: %w", path, err)
+		return nil, fmt.Errorf("open region %q: %w", dir, err)
 	}
 	return r, nil
 }
+
+// Remove deletes a region directory and its files (the mappings of
+// processes that still have them stay valid).
+func Remove(dir string) error { return os.RemoveAll(dir) }
 
 func (r *Region) check() error {
 	l := r.l
@@ -106,30 +155,52 @@ func (r *Region) check() error {
 		return fmt.Errorf("%w: magic %#x, want %#x", ErrInvalid, l.Magic, Magic)
 	case l.Version != Version:
 		return fmt.Errorf("%w: version %d, want %d", ErrInvalid, l.Version, Version)
-	case l.Size != FileSize:
-		return fmt.Errorf("%w: size field %d, want %d", ErrInvalid, l.Size, FileSize)
+	case l.Size != ControlFileSize:
+		return fmt.Errorf("%w: size field %d, want %d", ErrInvalid, l.Size, ControlFileSize)
 	case l.MaxProcs != MaxProcs:
 		return fmt.Errorf("%w: max_procs %d, want %d", ErrInvalid, l.MaxProcs, MaxProcs)
 	}
 	return nil
 }
 
-func mapFile(f *os.File) (*Region, error) {
-	mem, err := unix.Mmap(int(f.Fd()), 0, FileSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED) //nolint:gosec // fds fit in int
-	if err != nil {
-		return nil, fmt.Errorf("mmap: %w", err)
+func mapDir(dir string) (*Region, error) {
+	r := &Region{dir: dir}
+	var err error
+	if r.ctl, err = mapFile(filepath.Join(dir, ControlName), ControlFileSize); err != nil {
+		return nil, err
 	}
-	return &Region{f: f, mem: mem, l: (*Layout)(unsafe.Pointer(&mem[0]))}, nil
+	r.l = (*Layout)(unsafe.Pointer(&r.ctl[0]))
+	for i := range MaxProcs {
+		if r.procs[i], err = mapFile(filepath.Join(dir, ProcName(i)), ProcFileSize); err != nil {
+			_ = r.Close()
+			return nil, err
+		}
+		r.c[i] = (*Counters)(unsafe.Pointer(&r.procs[i][0]))
+	}
+	return r, nil
 }
 
-// L returns the mapped layout. It is valid until Close.
+func mapFile(path string, size int) ([]byte, error) {
+	f, err := os.OpenFile(path, os.O_RDWR, 0) //nolint:gosec // the enforcer's own run directory
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = f.Close() }()
+	mem, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED) //nolint:gosec // fds fit in int
+	if err != nil {
+		return nil, fmt.Errorf("mmap %s: %w", filepath.Base(path), err)
+	}
+	return mem, nil
+}
+
+// Dir returns the region's directory.
+func (r *Region) Dir() string { return r.dir }
+
+// L returns the mapped control file. It is valid until Close.
 func (r *Region) L() *Layout { return r.l }
 
 // Proc returns slot i (0 <= i < MaxProcs).
-func (r *Region) Proc(i int) *Proc { return &r.l.Procs[i] }
-
-// File returns the open region file, e.g. to pass its descriptor to a client.
-func (r *Region) File() *os.File { return r.f }
+func (r *Region) Proc(i int) Proc { return Proc{Slot: &r.l.Slots[i], Counters: r.c[i]} }
 
 // Params reads the identity and quotas from the header.
 func (r *Region) Params() Params {
@@ -165,36 +236,56 @@ func Wake(w *atomic.Uint32) {
 
 const futexWake = 1 // FUTEX_WAKE, without FUTEX_PRIVATE_FLAG
 
-// Intact reports whether the file still has its full size. A process that
-// holds the (writable) descriptor can truncate it; accessing the mapping
-// beyond the new end then faults (SIGBUS).
+// Intact reports whether every proc file still has its size. A process
+// holds a writable descriptor of its own proc file, so it can truncate it
+// (the enforcer's next access beyond the new end faults, SIGBUS) or grow
+// it. The control file is never writable by a process.
 func (r *Region) Intact() bool {
-	st, err := r.f.Stat()
-	return err == nil && st.Size() == FileSize
+	for i := range MaxProcs {
+		if !r.ProcIntact(i) {
+			return false
+		}
+	}
+	return true
 }
 
-// Repair restores the file's size, so that the mapping is valid again (the
-// truncated part reads as zeros).
+// ProcIntact reports whether slot i's proc file still has its size.
+func (r *Region) ProcIntact(i int) bool {
+	st, err := os.Stat(filepath.Join(r.dir, ProcName(i)))
+	return err == nil && st.Size() == ProcFileSize
+}
+
+// Repair restores the size of every proc file (a truncated part reads as
+// zeros; a grown part is freed).
 func (r *Region) Repair() error {
-	return r.f.Truncate(FileSize)
+	var errs []error
+	for i := range MaxProcs {
+		if !r.ProcIntact(i) {
+			errs = append(errs, os.Truncate(filepath.Join(r.dir, ProcName(i)), ProcFileSize))
+		}
+	}
+	return errors.Join(errs...)
 }
 
-// Close unmaps the region and closes its file. The file stays.
+// Close unmaps the region. Its files stay.
 func (r *Region) Close() error {
-	if r.mem == nil {
-		return nil
+	var errs []error
+	for i := range r.procs {
+		if r.procs[i] != nil {
+			errs = append(errs, unix.Munmap(r.procs[i]))
+			r.procs[i], r.c[i] = nil, nil
+		}
 	}
-	err := unix.Munmap(r.mem)
-	r.mem, r.l = nil, nil
-	if cerr := r.f.Close(); err == nil {
-		err = cerr
+	if r.ctl != nil {
+		errs = append(errs, unix.Munmap(r.ctl))
+		r.ctl, r.l = nil, nil
 	}
-	return err
+	return errors.Join(errs...)
 }
 
 // Clear frees slot p: it zeroes the counters, then the start time, then the
 // pid (last, so a slot with a pid always has its start time).
-func (p *Proc) Clear() {
+func (p Proc) Clear() {
 	p.Waiting.Store(0)
 	p.MemReserved.Store(0)
 	p.GPUNs.Store(0)
@@ -206,7 +297,7 @@ func (p *Proc) Clear() {
 }
 
 // Claim assigns a free slot to a process: start time first, then pid.
-func (p *Proc) Claim(pid uint32, startTime uint64) {
+func (p Proc) Claim(pid uint32, startTime uint64) {
 	p.StartTime.Store(startTime)
 	p.PID.Store(pid)
 }

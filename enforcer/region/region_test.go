@@ -21,32 +21,43 @@ func testParams() Params {
 
 func TestCreateOpen(t *testing.T) {
 	t.Parallel()
-	path := filepath.Join(t.TempDir(), "mgpu1inst7")
-	r, err := Create(path, testParams())
+	dir := filepath.Join(t.TempDir(), "mgpu1inst7")
+	r, err := Create(dir, testParams())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	st, err := os.Stat(path)
-	if err != nil {
-		t.Fatal(err)
+	for name, want := range map[string]int64{"": -1, ControlName: ControlFileSize, ProcName(0): ProcFileSize, ProcName(MaxProcs - 1): ProcFileSize} {
+		st, err := os.Stat(filepath.Join(dir, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want < 0 {
+			if !st.IsDir() || st.Mode().Perm() != 0o700 {
+				t.Fatalf("region dir mode %v, want a 0700 directory", st.Mode())
+			}
+			continue
+		}
+		if st.Size() != want || st.Mode().Perm() != 0o600 {
+			t.Fatalf("%s: size %d mode %v, want %d 0600", name, st.Size(), st.Mode().Perm(), want)
+		}
 	}
-	if st.Size() != FileSize || st.Mode().Perm() != 0o600 {
-		t.Fatalf("file size %d mode %v, want %d 0600", st.Size(), st.Mode().Perm(), FileSize)
+	if ents, _ := os.ReadDir(dir); len(ents) != MaxProcs+1 {
+		t.Fatalf("%d files in the region, want %d", len(ents), MaxProcs+1)
 	}
 	l := r.L()
-	if l.Magic != Magic || l.Version != Version || l.Size != FileSize || l.MaxProcs != MaxProcs {
+	if l.Magic != Magic || l.Version != Version || l.Size != ControlFileSize || l.MaxProcs != MaxProcs {
 		t.Fatalf("header %#x %d %d %d", l.Magic, l.Version, l.Size, l.MaxProcs)
 	}
 	if got := r.Params(); got != testParams() {
 		t.Fatalf("params %+v, want %+v", got, testParams())
 	}
-	if _, err := Create(path, testParams()); !errors.Is(err, os.ErrExist) {
+	if _, err := Create(dir, testParams()); !errors.Is(err, os.ErrExist) {
 		t.Fatalf("second create: %v, want ErrExist", err)
 	}
 
 	// A second mapping (as another process would have) shares the words.
-	r2, err := Open(path)
+	r2, err := Open(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -63,54 +74,177 @@ func TestCreateOpen(t *testing.T) {
 		t.Fatal("counter written through the second mapping not visible in the first")
 	}
 	r.Proc(5).Clear()
-	if *r2.Proc(5) != (Proc{}) {
+	if p := r2.Proc(5); p.PID.Load() != 0 || p.StartTime.Load() != 0 || p.GPUNs.Load() != 0 {
 		t.Fatal("cleared slot not zero")
 	}
 	// Raw byte offsets agree with the header's (checked against C elsewhere).
 	r.L().Grant.Store(0xdeadbeef)
-	raw, err := os.ReadFile(path)
+	r.Proc(3).MemReserved.Store(0x0102030405060708)
+	raw, err := os.ReadFile(filepath.Join(dir, ControlName))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if g := uint32(raw[64]) | uint32(raw[65])<<8 | uint32(raw[66])<<16 | uint32(raw[67])<<24; g != 0xdeadbeef {
-		t.Fatalf("grant at byte 64 reads %#x", g)
+		t.Fatalf("grant at byte 64 of the control file reads %#x", g)
+	}
+	raw, err = os.ReadFile(filepath.Join(dir, ProcName(3)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if raw[8] != 8 || raw[15] != 1 {
+		t.Fatalf("mem_reserved at byte 8 of proc.003 reads % x", raw[8:16])
 	}
 }
 
 func TestOpenRejects(t *testing.T) {
 	t.Parallel()
-	dir := t.TempDir()
-	good := filepath.Join(dir, "good")
+	base := t.TempDir()
+	good := filepath.Join(base, "good")
 	r, err := Create(good, testParams())
 	if err != nil {
 		t.Fatal(err)
 	}
 	r.Close()
-	data, err := os.ReadFile(good)
+	ctl, err := os.ReadFile(filepath.Join(good, ControlName))
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, tc := range []struct {
-		name string
-		data []byte
+		name   string
+		file   string
+		data   []byte
+		remove bool
 	}{
-		{"empty", nil},
-		{"short", data[:4096]},
-		{"bad magic", append([]byte{0, 0, 0, 0}, data[4:]...)},
-		{"bad version", append(append(append([]byte{}, data[:4]...), 9, 0, 0, 0), data[8:]...)},
+		{name: "empty control", file: ControlName, data: nil},
+		{name: "short control", file: ControlName, data: ctl[:1024]},
+		{name: "bad magic", file: ControlName, data: append([]byte{0, 0, 0, 0}, ctl[4:]...)},
+		{name: "version 1", file: ControlName, data: append(append(append([]byte{}, ctl[:4]...), 1, 0, 0, 0), ctl[8:]...)},
+		{name: "missing control", file: ControlName, remove: true},
+		{name: "missing proc file", file: ProcName(17), remove: true},
+		{name: "short proc file", file: ProcName(17), data: make([]byte, 64)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			p := filepath.Join(dir, strings.ReplaceAll(tc.name, " ", "_"))
-			if err := os.WriteFile(p, tc.data, 0o600); err != nil {
+			dir := filepath.Join(base, strings.ReplaceAll(tc.name, " ", "_"))
+			if r, err := Create(dir, testParams()); err != nil {
+				t.Fatal(err)
+			} else {
+				r.Close()
+			}
+			p := filepath.Join(dir, tc.file)
+			if tc.remove {
+				if err := os.Remove(p); err != nil {
+					t.Fatal(err)
+				}
+			} else if err := os.WriteFile(p, tc.data, 0o600); err != nil {
 				t.Fatal(err)
 			}
-			if _, err := Open(p); !errors.Is(err, ErrInvalid) {
+			if _, err := Open(dir); !errors.Is(err, ErrInvalid) {
 				t.Fatalf("Open: %v, want ErrInvalid", err)
 			}
 		})
 	}
-	if _, err := Open(filepath.Join(dir, "missing")); !errors.Is(err, os.ErrNotExist) {
+	if _, err := Open(filepath.Join(base, "missing")); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("missing: %v", err)
+	}
+}
+
+// TestTenantFDs checks what a process receives: its control file and
+// every other slot's counters cannot be made writable by any route a
+// process has (mmap, mprotect, reopening /proc/self/fd/N, ftruncate), even
+// as root; its own proc file is writable and shared with the enforcer.
+func TestTenantFDs(t *testing.T) {
+	t.Parallel()
+	if os.Geteuid() != 0 {
+		t.Skip("the read-only view needs root (CAP_SYS_ADMIN)")
+	}
+	base := t.TempDir()
+	r, err := Create(filepath.Join(base, "mgpu0inst3"), testParams())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	v, err := NewView(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	const slot = 9
+	fds, err := r.TenantFDs(v, slot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		for _, fd := range fds {
+			_ = unix.Close(fd)
+		}
+	}()
+	if len(fds) != 2+MaxProcs {
+		t.Fatalf("%d descriptors, want %d", len(fds), 2+MaxProcs)
+	}
+	for _, tc := range []struct {
+		name string
+		fd   int
+		size int
+	}{
+		{"control", fds[0], ControlFileSize},
+		{"other slot", fds[2+3], ProcFileSize},
+		{"own slot, read-only copy", fds[2+slot], ProcFileSize},
+	} {
+		if _, err := unix.Mmap(tc.fd, 0, tc.size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); !errors.Is(err, unix.EACCES) {
+			t.Errorf("%s: mmap PROT_WRITE: %v, want EACCES", tc.name, err)
+		}
+		mem, err := unix.Mmap(tc.fd, 0, tc.size, unix.PROT_READ, unix.MAP_SHARED)
+		if err != nil {
+			t.Fatalf("%s: mmap PROT_READ: %v", tc.name, err)
+		}
+		if err := unix.Mprotect(mem, unix.PROT_READ|unix.PROT_WRITE); !errors.Is(err, unix.EACCES) {
+			t.Errorf("%s: mprotect PROT_WRITE: %v, want EACCES", tc.name, err)
+		}
+		_ = unix.Munmap(mem)
+		if fd, err := unix.Open("/proc/self/fd/"+strconv.Itoa(tc.fd), unix.O_RDWR, 0); !errors.Is(err, unix.EROFS) {
+			if err == nil {
+				_ = unix.Close(fd)
+			}
+			t.Errorf("%s: reopen /proc/self/fd for writing: %v, want EROFS", tc.name, err)
+		}
+		if err := unix.Ftruncate(tc.fd, 0); err == nil {
+			t.Errorf("%s: ftruncate of a read-only descriptor succeeded", tc.name)
+		}
+		if _, err := unix.Write(tc.fd, []byte{1}); err == nil {
+			t.Errorf("%s: write(2) through a read-only descriptor succeeded", tc.name)
+		}
+	}
+	// The read-only views show what the enforcer writes.
+	ctl, err := unix.Mmap(fds[0], 0, ControlFileSize, unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(ctl)
+	r.L().Grant.Store(1)
+	if (*Layout)(unsafe.Pointer(&ctl[0])).Grant.Load() != 1 || (*Layout)(unsafe.Pointer(&ctl[0])).Magic != Magic {
+		t.Fatal("the read-only control mapping does not show the enforcer's words")
+	}
+	// The own proc file is writable, and the enforcer sees the writes.
+	own, err := unix.Mmap(fds[1], 0, ProcFileSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatalf("own proc file: %v", err)
+	}
+	defer unix.Munmap(own)
+	(*Counters)(unsafe.Pointer(&own[0])).GPUNs.Store(777)
+	if r.Proc(slot).GPUNs.Load() != 777 {
+		t.Fatal("a write to the own proc file is not seen by the enforcer")
+	}
+	if r.Proc(3).GPUNs.Load() != 0 {
+		t.Fatal("another slot changed")
+	}
+	// A region outside the view is refused.
+	other, err := Create(filepath.Join(t.TempDir(), "mgpu0inst4"), testParams())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	if _, err := other.TenantFDs(v, 0); !errors.Is(err, ErrNotInView) {
+		t.Fatalf("region outside the view: %v, want ErrNotInView", err)
 	}
 }
 

@@ -19,7 +19,7 @@ import (
 // The attach protocol of mgpu_region.h.
 const (
 	attachMagic   = 0x4150474d
-	attachVersion = 1
+	attachVersion = 2
 	attachReqLen  = 16
 	attachRespLen = 256
 	attachMsgOff  = 32
@@ -39,6 +39,7 @@ type testServer struct {
 	dir    string
 	index  uint32
 	reg    *region.Region
+	view   *region.View
 	ln     *net.UnixListener
 	refuse atomic.Pointer[string] // non-nil: answer every attach with NO_INSTANCE and this message
 	conns  atomic.Int64
@@ -73,17 +74,26 @@ func newServer(t *testing.T, dir string, index uint32, opts ...serverOpt) *testS
 		t.Fatal(err)
 	}
 	reg.SetGrant(1)
+	view, err := region.NewView(filepath.Join(gdir, "regions"))
+	if errors.Is(err, unix.EPERM) {
+		_ = reg.Close()
+		t.Skip("the shim's tests hand out read-only views of the region, which needs root (CAP_SYS_ADMIN)")
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: filepath.Join(gdir, "client", "client.sock"), Net: "unix"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &testServer{t: t, dir: dir, index: index, reg: reg, ln: ln}
+	s := &testServer{t: t, dir: dir, index: index, reg: reg, view: view, ln: ln}
 	s.wg.Add(1)
 	go s.serve()
 	t.Cleanup(func() {
 		_ = ln.Close()
 		s.wg.Wait()
 		_ = reg.Close()
+		_ = view.Close()
 	})
 	return s
 }
@@ -141,9 +151,20 @@ func (s *testServer) handle(c *net.UnixConn) {
 		fail(attachNoSlot, "no free slot")
 		return
 	}
+	fds, err := s.reg.TenantFDs(s.view, slot)
+	if err != nil {
+		fail(attachBadRequest, err.Error())
+		return
+	}
+	defer func() {
+		for _, fd := range fds {
+			_ = unix.Close(fd)
+		}
+	}()
 	le.PutUint32(resp[12:], uint32(slot)) //nolint:gosec // < MaxProcs
-	le.PutUint32(resp[16:], region.FileSize)
-	_, _, _ = c.WriteMsgUnix(resp, unix.UnixRights(int(s.reg.File().Fd())), nil) //nolint:gosec // fd fits
+	le.PutUint32(resp[16:], region.ControlFileSize)
+	le.PutUint32(resp[28:], region.ProcFileSize)
+	_, _, _ = c.WriteMsgUnix(resp, unix.UnixRights(fds...), nil)
 }
 
 func readFull(c net.Conn, b []byte) (int, error) {
@@ -199,7 +220,7 @@ func (s *testServer) reapLocked() {
 func (s *testServer) slotOf(pid int) *region.Proc {
 	for i := 0; i < region.MaxProcs; i++ {
 		if p := s.reg.Proc(i); p.PID.Load() == uint32(pid) { //nolint:gosec // pids are positive
-			return p
+			return &p
 		}
 	}
 	return nil

@@ -502,6 +502,17 @@ func TestContainerIsolation(t *testing.T) {
 				if !strings.Contains(out, "no such file or directory") {
 					t.Errorf("probe in %s: the region's host path opens inside the container", id)
 				}
+				// A root process in the container cannot make the
+				// enforcer's words or another slot writable.
+				for k, v := range map[string]string{
+					"tamper.control.mmap": "EACCES", "tamper.control.reopen": "EROFS",
+					"tamper.other.mmap": "EACCES", "tamper.other.reopen": "EROFS",
+					"tamper.own.mmap": "ok",
+				} {
+					if m[k] != v {
+						t.Errorf("probe in %s: %s=%s, want %s", id, k, m[k], v)
+					}
+				}
 			}
 			// The shim attaches the container's CUDA processes to the same
 			// instance and reports its quota as the device's memory.

@@ -5,18 +5,32 @@
  * the enforcer (Go, enforcer/region mirrors it and a test checks every size
  * and offset against this file) and the shim (C, enforcer/shim).
  *
- * One region exists per instance (mgpuXinstY).  The enforcer creates it as a
- * file under /run/mgpu/gpuX/regions/ and maps it; every process of the
- * instance that uses CUDA receives it as a file descriptor over the client
- * socket and maps it MAP_SHARED.
+ * One region exists per instance (mgpuXinstY): a directory
+ * /run/mgpu/gpuX/regions/mgpuXinstY/ of MGPU_REGION_MAX_PROCS + 1 files,
+ * all created by the enforcer (version 2; version 1 was one writable file):
+ *
+ *   control   mgpu_control_t: identity, quotas, grant, heartbeat, and the
+ *             owner (pid, start time) of every process slot.  Written by the
+ *             enforcer only; every process receives it READ-ONLY.
+ *   proc.NNN  mgpu_proc_t (NNN = 000..127): the counters of the process in
+ *             slot NNN.  The process in that slot receives its own file
+ *             read-write; it receives every slot's file read-only (to sum
+ *             the instance's memory reservations).
+ *
+ * Tenants are untrusted.  The read-only descriptors come from a read-only
+ * (detached) mount of the regions directory, so that neither mmap(PROT_WRITE),
+ * mprotect, nor reopening /proc/self/fd/N for writing can turn them into
+ * writable ones (EACCES / EROFS).  What a process writes into its own slot is
+ * input to the enforcer, range- and rate-checked there, never trusted.
  *
  * Concurrency rules (a client may be SIGKILLed at any instruction):
  *  - No locks live in the region.  Every shared word is a naturally aligned
  *    32- or 64-bit value accessed with C11 atomics (Go: sync/atomic).
- *  - Each attached process owns exactly one slot (procs[slot]); the enforcer
- *    picks the slot, writes pid/start_time, and the shim writes only its own
- *    slot's counters.  Instance totals are sums over slots, so a process that
- *    dies leaves nothing half-updated: the enforcer reaps its slot whole.
+ *  - Each attached process owns exactly one slot; the enforcer picks it,
+ *    writes its owner (control->slots[slot]) and clears its counters file;
+ *    the shim writes only its own proc file.  Instance totals are sums over
+ *    slots, so a process that dies leaves nothing half-updated: the enforcer
+ *    reaps its slot whole.
  *  - Memory reservation (shim): add n to the own slot's mem_reserved, then sum
  *    mem_reserved over all slots; if the sum exceeds memory_limit, subtract n
  *    again and fail.  With sequentially consistent atomics the instance total
@@ -39,35 +53,44 @@
 #endif
 
 #define MGPU_REGION_MAGIC 0x5550474du /* "MGPU" as little-endian bytes */
-#define MGPU_REGION_VERSION 1u
+#define MGPU_REGION_VERSION 2u
 #define MGPU_REGION_MAX_PROCS 128u
-#define MGPU_REGION_FILE_SIZE 12288u /* bytes; >= sizeof(mgpu_region_t), page multiple */
+#define MGPU_CONTROL_FILE_SIZE 4096u /* bytes; >= sizeof(mgpu_control_t), page multiple */
+#define MGPU_PROC_FILE_SIZE 4096u    /* bytes; one page per process slot */
 
 /* compute policies (the seed's compute_policy values) */
 #define MGPU_POLICY_FIXED_SHARE 0u
 #define MGPU_POLICY_GUARANTEED_BURST_SHARE 1u
 #define MGPU_POLICY_NATIVE_BURST_SHARE 2u
 
-/* One attached process.  64 bytes. */
+/* The owner of one process slot (in the control file).  16 bytes. */
+typedef struct mgpu_slot {
+    MGPU_ATOMIC(uint32_t) pid;        /* host pid owning the slot; 0 = free */
+    uint32_t reserved;
+    MGPU_ATOMIC(uint64_t) start_time; /* /proc/<pid>/stat starttime (clock ticks), tells pid reuse; written before pid */
+} mgpu_slot_t;
+
+/* The counters of one attached process (its proc.NNN file).  64 bytes.
+ * Written by that process only; the enforcer treats every value as
+ * untrusted input. */
 typedef struct mgpu_proc {
-    MGPU_ATOMIC(uint32_t) pid;          /* enforcer: host pid owning the slot; 0 = free */
-    MGPU_ATOMIC(uint32_t) waiting;      /* shim: threads of this process blocked on the grant */
-    MGPU_ATOMIC(uint64_t) mem_reserved; /* shim: device bytes this process holds */
-    MGPU_ATOMIC(uint64_t) gpu_ns;       /* shim: cumulative measured GPU time of its work */
-    MGPU_ATOMIC(uint64_t) queued_ns;    /* shim: estimated GPU time submitted, not yet known complete */
-    MGPU_ATOMIC(uint64_t) launches;     /* shim: cumulative gated launches */
-    MGPU_ATOMIC(uint64_t) throttled_ns; /* shim: cumulative time threads waited for a grant */
-    uint64_t start_time;                /* enforcer: /proc/<pid>/stat starttime (clock ticks), tells pid reuse */
-    uint64_t reserved;
+    MGPU_ATOMIC(uint32_t) waiting;      /* threads of this process blocked on the grant */
+    uint32_t reserved32;
+    MGPU_ATOMIC(uint64_t) mem_reserved; /* device bytes this process holds */
+    MGPU_ATOMIC(uint64_t) gpu_ns;       /* cumulative measured GPU time of its work */
+    MGPU_ATOMIC(uint64_t) queued_ns;    /* estimated GPU time submitted, not yet known complete */
+    MGPU_ATOMIC(uint64_t) launches;     /* cumulative gated launches */
+    MGPU_ATOMIC(uint64_t) throttled_ns; /* cumulative time threads waited for a grant */
+    uint64_t reserved[2];
 } mgpu_proc_t;
 
-/* The region.  Header 256 bytes, then the process slots. */
-typedef struct mgpu_region {
+/* The control file.  Header 256 bytes, then the slot owners. */
+typedef struct mgpu_control {
     /* Identity and quotas: written by the enforcer before the region is handed
-     * out, never changed afterwards; read-only to the shim. */
+     * out, never changed afterwards. */
     uint32_t magic;         /* MGPU_REGION_MAGIC */
     uint32_t version;       /* MGPU_REGION_VERSION */
-    uint32_t size;          /* file size in bytes (MGPU_REGION_FILE_SIZE) */
+    uint32_t size;          /* control file size in bytes (MGPU_CONTROL_FILE_SIZE) */
     uint32_t max_procs;     /* MGPU_REGION_MAX_PROCS */
     uint32_t device_index;  /* X in mgpuXinstY (NVML index) */
     uint32_t instance_id;   /* Y in mgpuXinstY */
@@ -94,22 +117,34 @@ typedef struct mgpu_region {
 
     uint64_t reserved_tail[16];
 
-    mgpu_proc_t procs[MGPU_REGION_MAX_PROCS];
-} mgpu_region_t;
+    mgpu_slot_t slots[MGPU_REGION_MAX_PROCS];
+} mgpu_control_t;
 
 /*
  * Attach protocol on /run/mgpu/gpuX/client/client.sock (SOCK_STREAM).
  *
  * The client sends one mgpu_attach_req_t and reads one mgpu_attach_resp_t.
- * When status is MGPU_ATTACH_OK the response carries exactly one file
- * descriptor (SCM_RIGHTS): the region, to be mapped MAP_SHARED with
- * region_size bytes; procs[slot] is the caller's own slot.  Otherwise message
+ * When status is MGPU_ATTACH_OK the response carries MGPU_ATTACH_FDS file
+ * descriptors (SCM_RIGHTS, with the first byte of the response), in order:
+ *   [0]        the control file, read-only (map PROT_READ, control_size bytes);
+ *   [1]        the caller's own proc file, read-write (proc_size bytes);
+ *   [2 + i]    slot i's proc file, read-only, for i = 0..max_procs-1
+ *              (the caller's own slot included).
+ * slot is the caller's own slot.  Otherwise no descriptor comes and message
  * holds one NUL-terminated line for the user (the shim prints it).  The
  * server identifies the caller by SO_PEERCRED, never by anything it sends.
  * The server closes the connection after the response.
+ *
+ * Versions: a request of another version that carries the right magic is
+ * answered in that version's response layout (magic, version, status and
+ * message sit at the same offsets in every version) with
+ * MGPU_ATTACH_BAD_REQUEST and a message naming both versions, so an older
+ * shim prints why it was refused instead of failing on a layout it does not
+ * know.
  */
 #define MGPU_ATTACH_MAGIC 0x4150474du /* "MGPA" as little-endian bytes */
-#define MGPU_ATTACH_VERSION 1u
+#define MGPU_ATTACH_VERSION 2u
+#define MGPU_ATTACH_FDS (2u + MGPU_REGION_MAX_PROCS)
 
 #define MGPU_ATTACH_OK 0
 #define MGPU_ATTACH_NO_INSTANCE 1 /* caller belongs to no instance of this device */
@@ -130,18 +165,20 @@ typedef struct mgpu_attach_resp {
     uint32_t magic;        /* MGPU_ATTACH_MAGIC */
     uint32_t version;      /* MGPU_ATTACH_VERSION */
     int32_t status;        /* MGPU_ATTACH_* */
-    uint32_t slot;         /* index into procs[] */
-    uint32_t region_size;  /* bytes to map */
+    uint32_t slot;         /* the caller's slot: control->slots[slot], its own proc file */
+    uint32_t control_size; /* bytes of the control file to map */
     uint32_t device_index; /* X */
     uint32_t instance_id;  /* Y */
-    uint32_t reserved;
+    uint32_t proc_size;    /* bytes of each proc file to map */
     char message[MGPU_ATTACH_MESSAGE_LEN];
 } mgpu_attach_resp_t;
 
 #ifndef __cplusplus
 _Static_assert(sizeof(mgpu_proc_t) == 64, "mgpu_proc_t is 64 bytes");
-_Static_assert(sizeof(mgpu_region_t) == 256 + 64 * MGPU_REGION_MAX_PROCS, "region layout");
-_Static_assert(sizeof(mgpu_region_t) <= MGPU_REGION_FILE_SIZE, "region fits its file");
+_Static_assert(sizeof(mgpu_proc_t) <= MGPU_PROC_FILE_SIZE, "counters fit their file");
+_Static_assert(sizeof(mgpu_slot_t) == 16, "mgpu_slot_t is 16 bytes");
+_Static_assert(sizeof(mgpu_control_t) == 256 + 16 * MGPU_REGION_MAX_PROCS, "control layout");
+_Static_assert(sizeof(mgpu_control_t) <= MGPU_CONTROL_FILE_SIZE, "control fits its file");
 _Static_assert(sizeof(mgpu_attach_req_t) == 16, "attach request is 16 bytes");
 _Static_assert(sizeof(mgpu_attach_resp_t) == 256, "attach response is 256 bytes");
 #endif

@@ -233,11 +233,23 @@ static struct mgpu_dev g_devs[MGPU_MAX_DEVICES];
 static int g_ndevs;        /* ordinals 0..g_ndevs-1 */
 static _Atomic int g_fast_checked;
 
+static void unmap_dev(struct mgpu_dev *d)
+{
+    if (d->region)
+        munmap((void *)d->region, MGPU_CONTROL_FILE_SIZE);
+    if (d->slot)
+        munmap(d->slot, MGPU_PROC_FILE_SIZE);
+    if (d->procs)
+        munmap((void *)d->procs, (size_t)MGPU_PROC_FILE_SIZE * MGPU_REGION_MAX_PROCS);
+    d->region = NULL;
+    d->slot = NULL;
+    d->procs = NULL;
+}
+
 static void reset_attachment(void)
 {
     for (int i = 0; i < g_ndevs; i++) {
-        if (g_devs[i].region)
-            munmap(g_devs[i].region, g_devs[i].region->size);
+        unmap_dev(&g_devs[i]);
         memset(&g_devs[i], 0, sizeof g_devs[i]);
     }
     g_ndevs = 0;
@@ -274,16 +286,17 @@ static int write_all(int fd, const void *buf, size_t len)
     return 0;
 }
 
-/* Reads the response and the one region fd.  Returns the fd (or -1 when none
- * came), or -2 with err filled. */
-static int read_resp(int s, mgpu_attach_resp_t *resp, char *err, size_t errlen)
+/* Reads the response and the descriptors that come with it (at most
+ * MGPU_ATTACH_FDS; *nfds says how many).  Returns 0, or -1 with err filled
+ * and no descriptor left open. */
+static int read_resp(int s, mgpu_attach_resp_t *resp, int *fds, unsigned *nfds, char *err, size_t errlen)
 {
     size_t got = 0;
-    int fd = -1;
+    *nfds = 0;
     while (got < sizeof *resp) {
         struct iovec iov = {(char *)resp + got, sizeof *resp - got};
         union {
-            char buf[CMSG_SPACE(4 * sizeof(int))];
+            char buf[CMSG_SPACE(MGPU_ATTACH_FDS * sizeof(int))];
             struct cmsghdr align;
         } cbuf;
         struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf.buf,
@@ -303,14 +316,15 @@ static int read_resp(int s, mgpu_attach_resp_t *resp, char *err, size_t errlen)
             for (size_t i = 0; i < nfd; i++) {
                 int f;
                 memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
-                if (fd < 0)
-                    fd = f;
+                if (*nfds < MGPU_ATTACH_FDS)
+                    fds[(*nfds)++] = f;
                 else
                     close(f);
             }
         }
         if (mh.msg_flags & MSG_CTRUNC) {
-            snprintf(err, errlen, "the response carried too many file descriptors");
+            snprintf(err, errlen, "the response's file descriptors did not fit (too many, or the process is at its "
+                                  "open-file limit)");
             goto fail;
         }
         if (n == 0) {
@@ -320,11 +334,75 @@ static int read_resp(int s, mgpu_attach_resp_t *resp, char *err, size_t errlen)
         }
         got += (size_t)n;
     }
-    return fd;
+    return 0;
 fail:
-    if (fd >= 0)
-        close(fd);
-    return -2;
+    for (unsigned i = 0; i < *nfds; i++)
+        close(fds[i]);
+    *nfds = 0;
+    return -1;
+}
+
+/* Maps what an OK response carries (mgpu_region.h): the control file and
+ * every slot's proc file read-only, the own proc file read-write.  Closes
+ * every descriptor.  Returns 0, or -1 with err filled and nothing mapped. */
+static int map_region(struct mgpu_dev *d, const mgpu_attach_resp_t *resp, int *fds, unsigned nfds, unsigned idx,
+                      char *err, size_t errlen)
+{
+    int rc = -1;
+    struct stat st;
+    if (nfds != MGPU_ATTACH_FDS) {
+        snprintf(err, errlen, "the enforcer sent %u file descriptors, want %u", nfds, MGPU_ATTACH_FDS);
+        goto out;
+    }
+    if (resp->control_size != MGPU_CONTROL_FILE_SIZE || resp->proc_size != MGPU_PROC_FILE_SIZE ||
+        resp->slot >= MGPU_REGION_MAX_PROCS || fstat(fds[0], &st) || (uint64_t)st.st_size < MGPU_CONTROL_FILE_SIZE) {
+        snprintf(err, errlen, "bad region (control %u bytes, proc files %u bytes, slot %u)", resp->control_size,
+                 resp->proc_size, resp->slot);
+        goto out;
+    }
+    void *ctl = mmap(NULL, MGPU_CONTROL_FILE_SIZE, PROT_READ, MAP_SHARED, fds[0], 0);
+    if (ctl == MAP_FAILED) {
+        snprintf(err, errlen, "mapping the control file: %s", strerror(errno));
+        goto out;
+    }
+    d->region = ctl;
+    void *own = mmap(NULL, MGPU_PROC_FILE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
+    if (own == MAP_FAILED) {
+        snprintf(err, errlen, "mapping the own proc file: %s", strerror(errno));
+        goto out;
+    }
+    d->slot = own;
+    /* The slots side by side: reserve the range, then map each file into
+     * its page. */
+    size_t span = (size_t)MGPU_PROC_FILE_SIZE * MGPU_REGION_MAX_PROCS;
+    char *base = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED) {
+        snprintf(err, errlen, "reserving the slots' range: %s", strerror(errno));
+        goto out;
+    }
+    d->procs = base;
+    for (unsigned i = 0; i < MGPU_REGION_MAX_PROCS; i++) {
+        if (mmap(base + (size_t)i * MGPU_PROC_FILE_SIZE, MGPU_PROC_FILE_SIZE, PROT_READ, MAP_SHARED | MAP_FIXED,
+                 fds[2 + i], 0) == MAP_FAILED) {
+            snprintf(err, errlen, "mapping proc file %u: %s", i, strerror(errno));
+            goto out;
+        }
+    }
+    const mgpu_control_t *rg = d->region;
+    if (rg->magic != MGPU_REGION_MAGIC || rg->version != MGPU_REGION_VERSION || rg->size != MGPU_CONTROL_FILE_SIZE ||
+        rg->max_procs != MGPU_REGION_MAX_PROCS || rg->device_index != idx) {
+        snprintf(err, errlen, "bad region (magic %#x version %u size %u max_procs %u device %u)", rg->magic,
+                 rg->version, rg->size, rg->max_procs, rg->device_index);
+        goto out;
+    }
+    d->own = resp->slot;
+    rc = 0;
+out:
+    for (unsigned i = 0; i < nfds; i++)
+        close(fds[i]);
+    if (rc)
+        unmap_dev(d);
+    return rc;
 }
 
 static int attach_one(struct mgpu_dev *d, unsigned idx, char *path, size_t pathlen, char *err, size_t errlen)
@@ -365,12 +443,14 @@ static int attach_one(struct mgpu_dev *d, unsigned idx, char *path, size_t pathl
     }
     mgpu_attach_resp_t resp;
     memset(&resp, 0, sizeof resp);
-    int fd = read_resp(s, &resp, err, errlen);
+    int fds[MGPU_ATTACH_FDS];
+    unsigned nfds = 0;
+    int r2 = read_resp(s, &resp, fds, &nfds, err, errlen);
     close(s);
-    if (fd == -2)
+    if (r2)
         return -1;
-    if (resp.magic != MGPU_ATTACH_MAGIC || resp.version != MGPU_ATTACH_VERSION) {
-        snprintf(err, errlen, "not an mgpu enforcer (bad response magic or version)");
+    if (resp.magic != MGPU_ATTACH_MAGIC) {
+        snprintf(err, errlen, "not an mgpu enforcer (bad response magic)");
         goto fail;
     }
     if (resp.status != MGPU_ATTACH_OK) {
@@ -381,40 +461,22 @@ static int attach_one(struct mgpu_dev *d, unsigned idx, char *path, size_t pathl
         snprintf(err, errlen, "%s", resp.message[0] ? resp.message : "refused");
         goto fail;
     }
-    if (fd < 0) {
-        snprintf(err, errlen, "the enforcer sent no region");
+    if (resp.version != MGPU_ATTACH_VERSION) {
+        snprintf(err, errlen, "the enforcer speaks attach protocol %u, this shim %u: install the libmgpu-shim.so of "
+                              "the enforcer's release", resp.version, MGPU_ATTACH_VERSION);
         goto fail;
     }
-    struct stat st;
-    if (resp.region_size < sizeof(mgpu_region_t) || resp.region_size > (1u << 24) || fstat(fd, &st) ||
-        (uint64_t)st.st_size < resp.region_size) {
-        snprintf(err, errlen, "bad region size %u", resp.region_size);
-        goto fail;
-    }
-    mgpu_region_t *rg = mmap(NULL, resp.region_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    fd = -1;
-    if (rg == MAP_FAILED) {
-        snprintf(err, errlen, "mapping the region: %s", strerror(errno));
+    unsigned n = nfds;
+    nfds = 0;
+    if (map_region(d, &resp, fds, n, idx, err, errlen))
         return -1;
-    }
-    if (rg->magic != MGPU_REGION_MAGIC || rg->version != MGPU_REGION_VERSION || rg->size != resp.region_size ||
-        rg->max_procs == 0 || rg->max_procs > MGPU_REGION_MAX_PROCS || resp.slot >= rg->max_procs ||
-        rg->device_index != idx) {
-        snprintf(err, errlen, "bad region (magic %#x version %u size %u max_procs %u slot %u device %u)", rg->magic,
-                 rg->version, rg->size, rg->max_procs, resp.slot, rg->device_index);
-        munmap(rg, resp.region_size);
-        return -1;
-    }
     d->host_index = idx;
-    d->region = rg;
-    d->slot = &rg->procs[resp.slot];
-    d->limit = rg->memory_limit;
-    d->max_queued_ns = rg->max_queued_ns;
+    d->limit = d->region->memory_limit;
+    d->max_queued_ns = d->region->max_queued_ns;
     return 0;
 fail:
-    if (fd >= 0)
-        close(fd);
+    for (unsigned i = 0; i < nfds; i++)
+        close(fds[i]);
     return -1;
 }
 
@@ -493,10 +555,7 @@ static enum mgpu_state do_attach(void)
             continue; /* default mode: a device without an enforcer is refused, not attached */
         if (attach_one(d, idx[k], path, sizeof path, err, sizeof err)) {
             for (int j = 0; j < k; j++)
-                if (g_devs[j].region) {
-                    munmap(g_devs[j].region, g_devs[j].region->size);
-                    g_devs[j].region = NULL;
-                }
+                unmap_dev(&g_devs[j]);
             memset(d, 0, sizeof *d);
             snprintf(what, sizeof what, "cannot attach to %s", path);
             fail_line(what, err, open);
@@ -595,10 +654,17 @@ CUresult mgpu_resolve_dev(int ordinal, struct mgpu_dev **pd)
 
 uint64_t mgpu_instance_used(const struct mgpu_dev *d)
 {
-    uint64_t sum = 0;
-    unsigned n = d->region->max_procs;
-    for (unsigned i = 0; i < n; i++)
-        sum += atomic_load(&d->region->procs[i].mem_reserved);
+    /* The own slot through its writable mapping, the others through their
+     * read-only ones.  A slot's value is what its process claims: a huge
+     * one makes this instance's allocations fail, never another's. */
+    uint64_t sum = atomic_load(&d->slot->mem_reserved);
+    for (unsigned i = 0; i < MGPU_REGION_MAX_PROCS; i++) {
+        if (i == d->own)
+            continue;
+        const mgpu_proc_t *p = (const mgpu_proc_t *)(const void *)(d->procs + (size_t)i * MGPU_PROC_FILE_SIZE);
+        uint64_t v = atomic_load(&p->mem_reserved);
+        sum = sum + v < sum ? UINT64_MAX : sum + v;
+    }
     return sum;
 }
 

@@ -35,9 +35,11 @@ extern struct mgpu_real mgpu_real;
 struct mgpu_dev {
     int ordinal;           /* CUDA ordinal */
     unsigned host_index;   /* X of /run/mgpu/gpuX */
-    mgpu_region_t *region; /* NULL: not managed by mgpu (refused) */
-    mgpu_proc_t *slot;     /* &region->procs[own slot] */
-    uint64_t limit;        /* region->memory_limit */
+    const mgpu_control_t *region; /* the control file, read-only; NULL: not managed by mgpu (refused) */
+    mgpu_proc_t *slot;            /* the own proc file, read-write */
+    const char *procs;            /* every slot's proc file, read-only, MGPU_PROC_FILE_SIZE apart */
+    unsigned own;                 /* the own slot */
+    uint64_t limit;               /* region->memory_limit */
     uint64_t max_queued_ns;
 };
 

@@ -1,13 +1,17 @@
 // Command probe attaches to a device's enforcer from inside a container the
 // way the shim does (the client socket under $MGPU_RUN_DIR), maps the
-// region file descriptor it is given and prints, one key=value per line,
-// what the region says about the instance:
+// region's control file it is given and prints, one key=value per line,
+// what the region says about the instance, then tries, as a hostile tenant
+// would, to make the read-only files writable:
 //
 //	probe [-device X] [-hold DURATION]
 //
 //	attach=ok slot=S device=X instance=Y
 //	region.device=X region.instance=Y region.core=C region.memory_limit=B region.slot_pid=P
 //	region.path=<the fd's link> region.path_open="<error opening that path>"
+//	tamper.control.mmap=<errno of mmap PROT_WRITE> tamper.control.reopen=<errno of reopening it O_RDWR>
+//	tamper.other.mmap=... tamper.other.reopen=...   (another slot's proc file)
+//	tamper.own.mmap=ok                              (the own proc file is writable)
 //
 // or attach=refused / attach=error with the reason (exit status 1). With
 // -hold it keeps the attachment for that long (the enforcer counts the
@@ -16,6 +20,7 @@
 package main
 
 import (
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -49,7 +54,7 @@ func main() {
 		os.Exit(1)
 	}
 	fmt.Printf("attach=ok slot=%d device=%d instance=%d\n", res.Slot, res.DeviceIndex, res.InstanceID)
-	mem, err := unix.Mmap(int(res.Region.Fd()), 0, region.FileSize, unix.PROT_READ, unix.MAP_SHARED) //nolint:gosec // fds fit in int
+	mem, err := unix.Mmap(int(res.Control.Fd()), 0, region.ControlFileSize, unix.PROT_READ, unix.MAP_SHARED) //nolint:gosec // fds fit in int
 	if err != nil {
 		fmt.Printf("region=error error=%q\n", err.Error())
 		os.Exit(1)
@@ -57,13 +62,13 @@ func main() {
 	l := (*region.Layout)(unsafe.Pointer(&mem[0])) //nolint:gosec // the region ABI
 	slotPID := uint32(0)
 	if int(res.Slot) < region.MaxProcs {
-		slotPID = l.Procs[res.Slot].PID.Load()
+		slotPID = l.Slots[res.Slot].PID.Load()
 	}
 	fmt.Printf("region.magic_ok=%v region.device=%d region.instance=%d region.core=%d region.memory_limit=%d region.slot_pid=%d\n",
 		l.Magic == region.Magic, l.DeviceIndex, l.InstanceID, l.Core, l.MemoryLimit, slotPID)
 	// The descriptor names the region file on the host; that path must not
 	// lead anywhere from inside the container.
-	path, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", res.Region.Fd()))
+	path, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", res.Control.Fd()))
 	if err != nil {
 		path = "?"
 	}
@@ -74,8 +79,40 @@ func main() {
 		_ = f.Close()
 	}
 	fmt.Printf("region.path=%s\nregion.path_open=%q\n", path, open)
+	other := res.Procs[(int(res.Slot)+1)%len(res.Procs)]
+	fmt.Printf("tamper.control.mmap=%s tamper.control.reopen=%s\n", mapWritable(res.Control), reopenWritable(res.Control))
+	fmt.Printf("tamper.other.mmap=%s tamper.other.reopen=%s\n", mapWritable(other), reopenWritable(other))
+	fmt.Printf("tamper.own.mmap=%s\n", mapWritable(res.Own))
 	if *hold > 0 {
 		fmt.Println("holding")
 		time.Sleep(*hold) // the attachment is what is held
 	}
+}
+
+// mapWritable tries a shared writable mapping of f: "ok" or the errno.
+func mapWritable(f *os.File) string {
+	m, err := unix.Mmap(int(f.Fd()), 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED) //nolint:gosec // fds fit in int
+	if err != nil {
+		return errnoName(err)
+	}
+	_ = unix.Munmap(m)
+	return "ok"
+}
+
+// reopenWritable tries to open f's /proc/self/fd link for writing.
+func reopenWritable(f *os.File) string {
+	g, err := os.OpenFile(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), os.O_RDWR, 0)
+	if err != nil {
+		return errnoName(err)
+	}
+	_ = g.Close()
+	return "ok"
+}
+
+func errnoName(err error) string {
+	var en unix.Errno
+	if errors.As(err, &en) && unix.ErrnoName(en) != "" {
+		return unix.ErrnoName(en)
+	}
+	return "error"
 }

@@ -1,0 +1,91 @@
+package region
+
+import (
+	"errors"
+	"fmt"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+// View is a read-only view of a directory of regions: a detached clone of
+// its mount (open_tree), made read-only (mount_setattr). A descriptor
+// opened through it cannot become writable: mmap(PROT_WRITE) and mprotect
+// fail with EACCES, and reopening /proc/self/fd/N for writing fails with
+// EROFS, whatever the process's privileges on the file. The clone is
+// attached nowhere, so it needs no clean-up and no process can see it in a
+// mount table; it lives as long as a descriptor of it does.
+type View struct {
+	fd  int
+	dir string
+}
+
+// NewView makes the read-only view of dir. It needs CAP_SYS_ADMIN and
+// Linux >= 5.12.
+func NewView(dir string) (*View, error) {
+	fd, err := unix.OpenTree(unix.AT_FDCWD, dir, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("read-only view of %s: open_tree: %w (the enforcer needs CAP_SYS_ADMIN and Linux >= 5.12)", dir, err)
+	}
+	attr := unix.MountAttr{Attr_set: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC}
+	if err := unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH, &attr); err != nil {
+		_ = unix.Close(fd)
+		return nil, fmt.Errorf("read-only view of %s: mount_setattr: %w", dir, err)
+	}
+	return &View{fd: fd, dir: dir}, nil
+}
+
+// Close drops the view (descriptors opened through it stay valid).
+func (v *View) Close() error {
+	if v == nil || v.fd < 0 {
+		return nil
+	}
+	err := unix.Close(v.fd)
+	v.fd = -1
+	return err
+}
+
+// openRO opens name (relative to the viewed directory) read-only through
+// the view.
+func (v *View) openRO(name string) (int, error) {
+	return unix.Openat(v.fd, name, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NOCTTY, 0)
+}
+
+// ErrNotInView is returned by TenantFDs for a region outside the view.
+var ErrNotInView = errors.New("region is not in the read-only view's directory")
+
+// TenantFDs returns the descriptors the process in slot receives, in the
+// order of mgpu_region.h's attach protocol: the control file read-only,
+// its own proc file read-write, then every slot's proc file read-only. The
+// caller closes them.
+func (r *Region) TenantFDs(v *View, slot int) ([]int, error) {
+	if filepath.Dir(r.dir) != filepath.Clean(v.dir) {
+		return nil, fmt.Errorf("%w: %s", ErrNotInView, r.dir)
+	}
+	name := filepath.Base(r.dir)
+	fds := make([]int, 0, 2+MaxProcs)
+	fail := func(err error) ([]int, error) {
+		for _, fd := range fds {
+			_ = unix.Close(fd)
+		}
+		return nil, err
+	}
+	fd, err := v.openRO(name + "/" + ControlName)
+	if err != nil {
+		return fail(fmt.Errorf("open control read-only: %w", err))
+	}
+	fds = append(fds, fd)
+	fd, err = unix.Open(filepath.Join(r.dir, ProcName(slot)), unix.O_RDWR|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NOCTTY, 0)
+	if err != nil {
+		return fail(fmt.Errorf("open own proc file: %w", err))
+	}
+	fds = append(fds, fd)
+	for i := range MaxProcs {
+		fd, err := v.openRO(name + "/" + ProcName(i))
+		if err != nil {
+			return fail(fmt.Errorf("open proc file %d read-only: %w", i, err))
+		}
+		fds = append(fds, fd)
+	}
+	return fds, nil
+}
