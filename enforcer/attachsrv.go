@@ -309,6 +309,7 @@ func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerI
 		return resp, nil, nil, 0
 	}
 	in.reg.Proc(slot).Claim(uint32(pid), info.startTime) //nolint:gosec // pids fit
+	in.sane[slot] = sane{}
 	in.setUsed(slot)
 	in.slotFD[slot] = wfd
 	e.watches[wfd] = watchRef{in: in, slot: slot}

@@ -45,6 +45,11 @@ type instance struct {
 	// Counters of reaped processes (instance totals stay monotonic).
 	reapedGPU, reapedThrottled, reapedLaunches uint64
 
+	// What was accepted of each slot's counters (counters.go), and the
+	// most GPU time one process may report queued.
+	sane [region.MaxProcs]sane
+	qcap uint64
+
 	lastGPU      uint64
 	lastLaunches uint64
 }
@@ -90,11 +95,28 @@ func (in *instance) forSlots(f func(i int)) {
 	}
 }
 
-// fold adds a slot's counters to the reaped totals.
-func (in *instance) fold(p region.Proc) {
-	in.reapedGPU += p.GPUNs.Load()
-	in.reapedThrottled += p.ThrottledNs.Load()
-	in.reapedLaunches += p.Launches.Load()
+// fold adds what was accepted of slot i's counters to the reaped totals
+// and forgets the slot's history.
+func (e *Enforcer) fold(in *instance, i int) {
+	c := e.readSlot(in, i, in.sane[i].last)
+	in.reapedGPU = sat(in.reapedGPU, c.gpu)
+	in.reapedThrottled = sat(in.reapedThrottled, c.throttled)
+	in.reapedLaunches = sat(in.reapedLaunches, c.launches)
+	in.sane[i] = sane{}
+}
+
+// readSlot reads slot i's counters through its sanitizer (counters.go) at
+// now, and logs the first out-of-range value of the slot's process.
+func (e *Enforcer) readSlot(in *instance, i int, now time.Duration) counts {
+	s := &in.sane[i]
+	p := in.reg.Proc(i)
+	c, why := s.read(p, now, in.qcap)
+	if why != "" && !s.bad {
+		s.bad = true
+		e.o.log.Warn("a process of the instance reports counters out of range; the enforcer ignores what is out of range",
+			"instance", in.name, "container", in.containerID, "pid", p.PID.Load(), "slot", i, "why", why)
+	}
+	return c
 }
 
 func (in *instance) closeFDs() {
@@ -331,6 +353,7 @@ func (e *Enforcer) admitLocked(req api.CreateRequest, id identity, pfd int) (*in
 	in.id, in.name, in.kind, in.containerID = y, api.InstanceName(e.index, y), req.Kind, req.ContainerID
 	in.pid, in.startTime, in.pidNS, in.cgroup = req.PID, id.startTime, id.pidNS, id.cgroup
 	in.policy, in.core, in.memMiB, in.created = pol, req.Core, req.MemoryMiB, time.Now().UTC()
+	in.qcap = queueCap(uint64(maxQueued), uint64(e.settings.Period())) //nolint:gosec // positive
 	in.path = filepath.Join(e.regions, in.name)
 	if err := region.Remove(in.path); err != nil {
 		return nil, false, fmt.Errorf("remove stale region: %w", err)
@@ -601,15 +624,16 @@ func (e *Enforcer) statsLocked() []api.InstanceStats {
 		}
 		in.forSlots(func(i int) {
 			p := in.reg.Proc(i)
+			c := e.readSlot(in, i, in.sane[i].last)
 			pr := api.Process{
-				PID: int(p.PID.Load()), Slot: i, GPUNs: p.GPUNs.Load(), MemReservedBytes: p.MemReserved.Load(),
-				Launches: p.Launches.Load(), ThrottledNs: p.ThrottledNs.Load(), Waiting: p.Waiting.Load(),
+				PID: int(p.PID.Load()), Slot: i, GPUNs: c.gpu, MemReservedBytes: c.mem,
+				Launches: c.launches, ThrottledNs: c.throttled, Waiting: min(p.Waiting.Load(), maxWaiting),
 			}
-			s.GPUNs += pr.GPUNs
-			s.ThrottledNs += pr.ThrottledNs
-			s.Launches += pr.Launches
-			s.MemoryUsedBytes += pr.MemReservedBytes
-			s.QueuedNs += p.QueuedNs.Load()
+			s.GPUNs = sat(s.GPUNs, pr.GPUNs)
+			s.ThrottledNs = sat(s.ThrottledNs, pr.ThrottledNs)
+			s.Launches = sat(s.Launches, pr.Launches)
+			s.MemoryUsedBytes = sat(s.MemoryUsedBytes, pr.MemReservedBytes)
+			s.QueuedNs = sat(s.QueuedNs, c.queued)
 			s.Processes = append(s.Processes, pr)
 		})
 		out = append(out, s)

@@ -148,17 +148,15 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 			for word != 0 {
 				b := bits.TrailingZeros64(word)
 				word &= word - 1
-				p := in.reg.Proc(w*64 + b)
-				gpu += p.GPUNs.Load()
-				queued += p.QueuedNs.Load()
-				launches += p.Launches.Load()
-				if p.Waiting.Load() > 0 {
-					u.Waiting = true
-				}
+				c := e.readSlot(in, w*64+b, now)
+				gpu = sat(gpu, c.gpu)
+				queued = sat(queued, c.queued)
+				launches = sat(launches, c.launches)
+				u.Waiting = u.Waiting || c.waiting
 			}
 		}
-		u.GPUTime = time.Duration(gpu)   //nolint:gosec // ns since the instance began
-		u.Queued = time.Duration(queued) //nolint:gosec // bounded by max_queued_ns per process
+		u.GPUTime = clampDuration(gpu) // accepted ns since the instance began
+		u.Queued = clampDuration(queued)
 		u.Launches = launches
 		if u.Waiting || queued > 0 || gpu != in.lastGPU || launches != in.lastLaunches {
 			active = true

@@ -63,7 +63,8 @@ func (e *Enforcer) adopt(si stateInstance, sameBoot bool) error {
 	in.id, in.name, in.kind, in.containerID = si.ID, si.Name, si.Kind, si.ContainerID
 	in.pid, in.startTime, in.pidNS, in.cgroup = si.PID, si.StartTime, si.PidNS, si.Cgroup
 	in.policy, in.core, in.memMiB, in.created = si.Policy, si.Core, si.MemoryMiB, si.Created
-	in.reapedGPU, in.reapedThrottled, in.reapedLaunches = si.ReapedGPUNs, si.ReapedThrottledNs, si.ReapedLaunches
+	in.reapedGPU, in.reapedThrottled, in.reapedLaunches = min(si.ReapedGPUNs, satCap), min(si.ReapedThrottledNs, satCap), min(si.ReapedLaunches, satCap)
+	in.qcap = queueCap(uint64(maxQueued), uint64(e.settings.Period())) //nolint:gosec // positive
 	in.path = filepath.Join(e.regions, in.name)
 	rootAlive := sameBoot && e.alive(in.pid, in.startTime)
 
@@ -95,6 +96,7 @@ func (e *Enforcer) adopt(si stateInstance, sameBoot bool) error {
 		if sameBoot {
 			if fd, err := e.pidfd(pid, p.StartTime.Load()); err == nil {
 				in.setUsed(i)
+				in.sane[i] = sane{trusted: true} // its counters so far, as they are
 				in.slotFD[i] = fd
 				e.watches[fd] = watchRef{in: in, slot: i}
 				if err := e.w.add(fd); err != nil {
@@ -103,7 +105,8 @@ func (e *Enforcer) adopt(si stateInstance, sameBoot bool) error {
 				continue
 			}
 		}
-		in.fold(p)
+		in.sane[i] = sane{trusted: true}
+		e.fold(in, i)
 		p.Clear()
 	}
 	if rootAlive {

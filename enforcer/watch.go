@@ -127,7 +127,7 @@ func (e *Enforcer) reapSlotLocked(in *instance, i int) {
 	}
 	p := in.reg.Proc(i)
 	e.o.log.Debug("reaped", "instance", in.name, "slot", i, "pid", p.PID.Load(), "gpu_ns", p.GPUNs.Load())
-	in.fold(p)
+	e.fold(in, i)
 	p.Clear()
 	in.clearUsed(i)
 }

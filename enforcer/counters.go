@@ -1,0 +1,130 @@
+package enforcer
+
+import (
+	"math"
+	"time"
+
+	"github.com/mgpu-dev/mgpu/enforcer/region"
+)
+
+// What a process writes into its proc file is input, not truth: it may
+// write anything at any moment. The enforcer accepts a slot's cumulative
+// counters only as totals of its own that never go backwards and never
+// grow faster than the bounds below, and clamps the instantaneous ones, so
+// that no value a tenant writes can overflow the sums, move the arbiter's
+// accounting backwards (credit it did not earn) or stall a hand-off.
+// Overstating GPU time only charges the tenant itself; understating it is
+// what the driver backstop catches.
+const (
+	// A process's streams are timed separately and may overlap, so its
+	// GPU time may grow faster than wall time, but not this much faster.
+	gpuRate  = 8
+	gpuSlack = uint64(time.Second)
+	// One launch per 10 ns is beyond any real launch rate.
+	launchPerNs = 10
+	launchSlack = 1 << 20
+	// Threads waiting at once, each accruing throttled time.
+	throttleRate = 4096
+	maxWaiting   = 1 << 20
+	// satCap keeps every sum far from overflowing int64 nanoseconds.
+	satCap = uint64(1) << 60
+)
+
+// sane is what the enforcer accepted from one slot's counters.
+type sane struct {
+	rawGPU, rawLaunches, rawThrottled uint64 // the values read last
+	gpu, launches, throttled          uint64 // accepted growth since the first read
+	gpu0, launches0, throttled0       uint64 // taken at the first read of a trusted slot
+	since, last                       time.Duration
+	started                           bool // since is set
+	trusted                           bool // the first read is taken as it is (a slot restored after a restart)
+	bad                               bool // reported once
+}
+
+// counts are one sanitized reading of a slot.
+type counts struct {
+	gpu, launches, throttled, queued, mem uint64
+	waiting                               bool
+}
+
+// read takes a slot's counters at now (the tick's clock), bounded by
+// maxQueued (the most GPU time one process may report queued). It returns
+// the accepted values and, when something was out of range, why.
+func (s *sane) read(p region.Proc, now time.Duration, maxQueued uint64) (counts, string) {
+	why := ""
+	if !s.started {
+		s.started, s.since = true, now
+		if s.trusted {
+			s.rawGPU, s.rawLaunches, s.rawThrottled = p.GPUNs.Load(), p.Launches.Load(), p.ThrottledNs.Load()
+			s.gpu0, s.launches0, s.throttled0 = min(s.rawGPU, satCap), min(s.rawLaunches, satCap), min(s.rawThrottled, satCap)
+		}
+	}
+	if now > s.last {
+		s.last = now
+	}
+	life := uint64(max(s.last-s.since, 0)) //nolint:gosec // non-negative
+	s.gpu, s.rawGPU = accept(s.gpu, s.rawGPU, p.GPUNs.Load(), sat(gpuRate*life, gpuSlack), "gpu_ns", &why)
+	s.launches, s.rawLaunches = accept(s.launches, s.rawLaunches, p.Launches.Load(), sat(life/launchPerNs, launchSlack), "launches", &why)
+	s.throttled, s.rawThrottled = accept(s.throttled, s.rawThrottled, p.ThrottledNs.Load(), sat(throttleRate*min(life, satCap/throttleRate), gpuSlack), "throttled_ns", &why)
+	c := counts{gpu: s.gpu0 + s.gpu, launches: s.launches0 + s.launches, throttled: s.throttled0 + s.throttled}
+	c.queued = p.QueuedNs.Load()
+	if c.queued > maxQueued {
+		c.queued, why = maxQueued, join(why, "queued_ns out of range")
+	}
+	c.mem = p.MemReserved.Load()
+	if c.mem > satCap {
+		c.mem, why = satCap, join(why, "mem_reserved out of range")
+	}
+	w := p.Waiting.Load()
+	if w > maxWaiting {
+		why = join(why, "waiting out of range")
+	}
+	c.waiting = w > 0
+	return c, why
+}
+
+// accept adds the growth of a cumulative counter from prev to raw to total,
+// up to limit for the total; a counter that went backwards is re-baselined
+// (nothing added). It returns the new total and the new baseline.
+func accept(total, prev, raw, limit uint64, name string, why *string) (uint64, uint64) {
+	if raw < prev {
+		*why = join(*why, name+" went backwards")
+		return total, raw
+	}
+	d := raw - prev
+	if room := limit - min(total, limit); d > room {
+		*why = join(*why, name+" grew faster than wall time allows")
+		d = room
+	}
+	return total + d, raw
+}
+
+// sat is a + b, saturating at satCap.
+func sat(a, b uint64) uint64 {
+	if a > satCap || b > satCap || a+b > satCap {
+		return satCap
+	}
+	return a + b
+}
+
+func join(a, b string) string {
+	if a == "" {
+		return b
+	}
+	return a + "; " + b
+}
+
+// queueCap is the most GPU time one process may report queued: its queue
+// bound several times over, or a period (one honest kernel may be longer
+// than the bound), whichever is larger.
+func queueCap(maxQueuedNs, periodNs uint64) uint64 {
+	return max(8*maxQueuedNs, 2*periodNs)
+}
+
+// clampDuration converts a sum of accepted nanoseconds for the arbiter.
+func clampDuration(ns uint64) time.Duration {
+	if ns > math.MaxInt64/2 {
+		return math.MaxInt64 / 2
+	}
+	return time.Duration(ns) //nolint:gosec // bounded above
+}
