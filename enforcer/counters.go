@@ -23,6 +23,10 @@ const (
 	// One launch per 10 ns is beyond any real launch rate.
 	launchPerNs = 10
 	launchSlack = 1 << 20
+	// The shim takes back the count of a launch that found the grant
+	// revoked while it waited for queue room (one per waiting thread):
+	// launches may fall by this much between two reads.
+	launchTakeBack = 1024
 	// Threads waiting at once, each accruing throttled time.
 	throttleRate = 4096
 	maxWaiting   = 1 << 20
@@ -64,7 +68,12 @@ func (s *sane) read(p region.Proc, now time.Duration, maxQueued uint64) (counts,
 	}
 	life := uint64(max(s.last-s.since, 0)) //nolint:gosec // non-negative
 	s.gpu, s.rawGPU = accept(s.gpu, s.rawGPU, p.GPUNs.Load(), sat(gpuRate*life, gpuSlack), "gpu_ns", &why)
-	s.launches, s.rawLaunches = accept(s.launches, s.rawLaunches, p.Launches.Load(), sat(life/launchPerNs, launchSlack), "launches", &why)
+	rawL := p.Launches.Load()
+	if rawL < s.rawLaunches && s.rawLaunches-rawL <= launchTakeBack {
+		s.launches -= min(s.launches, s.rawLaunches-rawL) // launches taken back
+		s.rawLaunches = rawL
+	}
+	s.launches, s.rawLaunches = accept(s.launches, s.rawLaunches, rawL, sat(life/launchPerNs, launchSlack), "launches", &why)
 	s.throttled, s.rawThrottled = accept(s.throttled, s.rawThrottled, p.ThrottledNs.Load(), sat(throttleRate*min(life, satCap/throttleRate), gpuSlack), "throttled_ns", &why)
 	c := counts{gpu: s.gpu0 + s.gpu, launches: s.launches0 + s.launches, throttled: s.throttled0 + s.throttled}
 	c.queued = p.QueuedNs.Load()

@@ -208,3 +208,21 @@ func TestNonsenseCounters(t *testing.T) {
 	nb.Proc(0).Waiting.Store(1)
 	eventually(t, 5*time.Second, "the neighbour's grant", func() bool { return nb.L().Grant.Load() != 0 })
 }
+
+// TestSaneLaunchesTakenBack: the shim takes back a launch's count when the
+// grant went while it waited; that is not a counter going backwards.
+func TestSaneLaunchesTakenBack(t *testing.T) {
+	t.Parallel()
+	p := slotFor()
+	s := sane{}
+	for i, v := range []uint64{2000, 1998, 2001, 2001 - launchTakeBack - 1} {
+		p.Launches.Store(v)
+		c, why := s.read(p, time.Second+time.Duration(i)*time.Millisecond, 1e6)
+		switch {
+		case i < 3 && (why != "" || c.launches != v):
+			t.Fatalf("read %d: launches %d (%q), want %d", i, c.launches, why, v)
+		case i == 3 && (!strings.Contains(why, "launches went backwards") || c.launches != 2001):
+			t.Fatalf("a fall beyond the take-back bound: %d (%q)", c.launches, why)
+		}
+	}
+}

@@ -43,6 +43,9 @@ type NodeConfig struct {
 	DeviceModel string
 	// ExtraEnv is added to every workload's environment.
 	ExtraEnv []string
+	// ExtraConfig is appended to the node configuration (TOML tables,
+	// e.g. "[backstop]\n...").
+	ExtraConfig string
 	// Log receives the enforcers' logs (default: discarded).
 	Log io.Writer
 }
@@ -135,6 +138,7 @@ func NewNode(nc NodeConfig) (*Node, error) {
 	for dev := 0; dev < nc.Devices; dev++ {
 		fmt.Fprintf(&b, "\n[[sim.gpu]]\nname = \"Simulated-GPU-80GB\"\nmemory_mib = %d\n", nc.MemoryMiB)
 	}
+	b.WriteString("\n" + nc.ExtraConfig)
 	n.ConfigPath = filepath.Join(n.Dir, "config.toml")
 	if err := os.WriteFile(n.ConfigPath, []byte(b.String()), 0o644); err != nil { //nolint:gosec // a test config
 		return nil, err
@@ -189,9 +193,11 @@ type RunSpec struct {
 	Policy    string   // "" means the device's
 	Args      []string // mgpu-workload's arguments
 	Env       []string // extra environment
+	// Program replaces mgpu-workload (Args are then its arguments).
+	Program string
 }
 
-// Job is a running `mgpu-cli run -- mgpu-workload ...`.
+// Job is a running `mgpu-cli run -- mgpu-workload ...` (or RunSpec.Program).
 type Job struct {
 	Spec RunSpec
 	Cmd  *exec.Cmd
@@ -213,7 +219,11 @@ func (n *Node) Start(spec RunSpec) (*Job, error) {
 	if spec.Policy != "" {
 		args = append(args, "--policy", spec.Policy)
 	}
-	args = append(args, "--", n.Paths.Workload)
+	prog := n.Paths.Workload
+	if spec.Program != "" {
+		prog = spec.Program
+	}
+	args = append(args, "--", prog)
 	args = append(args, spec.Args...)
 	j := &Job{Spec: spec, done: make(chan struct{}), pids: map[int]bool{}}
 	j.Cmd = exec.Command(n.CLI, args...)

@@ -92,12 +92,18 @@ func (n *Node) ShimEnv(dev int, extra ...string) []string {
 // Spawn starts mgpu-workload with args in the shell's instance and returns
 // its pid; its output goes to a file (Proc.Out).
 func (s *Shell) Spawn(args ...string) (Proc, error) {
+	return s.SpawnCommand(append([]string{s.node.Paths.Workload}, args...)...)
+}
+
+// SpawnCommand is Spawn of any command line (argv[0] a path), e.g. one that
+// starts with /usr/bin/env to change the environment the shell gives it.
+func (s *Shell) SpawnCommand(argv ...string) (Proc, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.seq++
 	out := filepath.Join(s.node.Dir, fmt.Sprintf("shell%d-%d.out", s.cmd.Process.Pid, s.seq))
-	quoted := make([]string, 0, len(args)+1)
-	for _, a := range append([]string{s.node.Paths.Workload}, args...) {
+	quoted := make([]string, 0, len(argv))
+	for _, a := range argv {
 		quoted = append(quoted, "'"+strings.ReplaceAll(a, "'", `'\''`)+"'")
 	}
 	line := fmt.Sprintf("%s >%s 2>&1 & echo $!\n", strings.Join(quoted, " "), out)

@@ -3,9 +3,11 @@
  * benchmarks.  See README.md or `mgpu-workload --help`.
  *
  * Every driver call goes through the table `cu`, filled according to
- * --resolve: by symbol name (direct), through cuGetProcAddress_v2 (proc), or
+ * --resolve: by symbol name (direct), through cuGetProcAddress_v2 (proc),
  * the way the CUDA runtime does it (runtime: dlopen + dlsym on the handle +
- * cuGetProcAddress_v2).
+ * cuGetProcAddress_v2), or the way a tenant that bypasses a preloaded shim
+ * would (dlmopen: the driver loaded into a new link-map namespace, where
+ * LD_PRELOAD does not reach).
  */
 #define _GNU_SOURCE
 #include "mgpu_cuda.h"
@@ -90,7 +92,7 @@ static struct {
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: mgpu-workload [--resolve direct|proc|runtime] [--ptsz] [--device D] COMMAND [options]\n"
+            "usage: mgpu-workload [--resolve direct|proc|runtime|dlmopen] [--ptsz] [--device D] COMMAND [options]\n"
             "commands:\n"
             "  info                                    devices, memory (CUDA and NVML), key=value lines\n"
             "  alloc --api NAME --mib N [--count K] [--hold-ms T] [--free]\n"
@@ -189,11 +191,13 @@ static void resolve(void)
         resolve_direct();
     } else if (strcmp(opt.resolve, "proc") == 0) {
         resolve_with(cuGetProcAddress_v2, NULL);
-    } else if (strcmp(opt.resolve, "runtime") == 0) {
-        /* Exactly what libcudart does. */
-        void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    } else if (strcmp(opt.resolve, "runtime") == 0 || strcmp(opt.resolve, "dlmopen") == 0) {
+        /* Exactly what libcudart does; dlmopen: the same in a namespace of
+         * its own, which no preloaded library is part of. */
+        void *h = strcmp(opt.resolve, "runtime") == 0 ? dlopen("libcuda.so.1", RTLD_NOW)
+                                                      : dlmopen(LM_ID_NEWLM, "libcuda.so.1", RTLD_NOW);
         if (!h)
-            die("dlopen libcuda.so.1: %s", dlerror());
+            die("%s libcuda.so.1: %s", opt.resolve, dlerror());
         void *p2 = dlsym(h, "cuGetProcAddress_v2");
         void *p1 = p2 ? NULL : dlsym(h, "cuGetProcAddress");
         if (!p2 && !p1)
