@@ -27,6 +27,9 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	if os.Getenv(goNVMLEnv) != "" {
+		os.Exit(goNVMLHelper()) // nvml_test.go: this binary as an NVML caller
+	}
 	rc := m.Run()
 	if buildDir != "" {
 		os.RemoveAll(buildDir) //nolint:errcheck // temporary build
@@ -133,9 +136,20 @@ func TestExportsMatchTheList(t *testing.T) {
 	if len(want) < 70 {
 		t.Fatalf("parsed only %d entries from fc_procs.def", len(want))
 	}
+	nvmlList, err := os.ReadFile("src/fc_nvml.def")
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantNVML := map[string]bool{}
+	for _, m := range regexp.MustCompile(`(?m)^FC_NVML\((\w+)\)`).FindAllStringSubmatch(string(nvmlList), -1) {
+		wantNVML[m[1]] = true
+	}
+	if !wantNVML["nvmlDeviceGetComputeRunningProcesses_v3"] || !wantNVML["nvmlDeviceGetProcessUtilization"] {
+		t.Fatalf("fc_nvml.def misses the process queries: %v", wantNVML)
+	}
 	for lib, check := range map[string]func(string) bool{
 		"libcuda.so.1":      func(s string) bool { return want[s] },
-		"libnvidia-ml.so.1": func(s string) bool { return strings.HasPrefix(s, "nvml") },
+		"libnvidia-ml.so.1": func(s string) bool { return wantNVML[s] },
 	} {
 		f, err := elf.Open(filepath.Join(p.LibDir, lib))
 		if err != nil {
@@ -158,6 +172,9 @@ func TestExportsMatchTheList(t *testing.T) {
 		}
 		if lib == "libcuda.so.1" && n != len(want) {
 			t.Errorf("libcuda.so.1 exports %d symbols, the list has %d", n, len(want))
+		}
+		if lib == "libnvidia-ml.so.1" && n != len(wantNVML) {
+			t.Errorf("libnvidia-ml.so.1 exports %d symbols, the list has %d", n, len(wantNVML))
 		}
 	}
 }
@@ -552,9 +569,10 @@ func TestSanitizerBuild(t *testing.T) {
 	}
 	e := &env{t: t, p: PathsIn(dir), state: t.TempDir(),
 		extra: []string{"ASAN_OPTIONS=detect_leaks=0:abort_on_error=1", "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1"}}
-	for _, name := range []string{"procaddr", "ptsz", "graph", "memory", "async", "slice"} {
+	for _, name := range []string{"procaddr", "ptsz", "graph", "memory", "async", "slice", "nvml-procs", "nvml-list"} {
 		e.run(0, filepath.Join(e.p.LibDir, "fctest"), name)
 	}
+	e.run(0, filepath.Join(e.p.LibDir, "fctest"), "nvml-util", "2000", "3000", "10000", "500")
 	e.workload(0, "--ptsz", "compute", "--kernel-us", "500", "--seconds", "0.3", "--streams", "3", "--threads", "2")
 	e.workload(0, "--resolve", "runtime", "compute", "--api", "graph", "--kernel-us", "500", "--seconds", "0.2")
 	e.workload(0, "fork", "--kernel-us", "1000")

@@ -610,6 +610,13 @@ static void ctx_setup(CUcontext c, int ordinal, int primary)
 
 static void free_ctx_allocs(uint64_t ctx_id);
 
+/* A context of this process on host device h came (+1) or went (-1): NVML
+ * lists processes that have one. */
+static void ctx_count(int h, int delta)
+{
+    fc_proc_ctx(g.dev[h], g.proc[h], delta);
+}
+
 /* Destroys a context's streams and memory (destroy, or primary reset). */
 static void ctx_teardown(CUcontext c)
 {
@@ -637,7 +644,8 @@ FC_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     CUcontext c = &g.primary[dev];
     if (c->magic != M_CTX)
         ctx_setup(c, dev, 1);
-    c->refs++;
+    if (c->refs++ == 0)
+        ctx_count(c->host, 1);
     pthread_mutex_unlock(&g.mu);
     *pctx = c;
     return CUDA_SUCCESS;
@@ -659,6 +667,7 @@ FC_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
          * the new id invalidates per-thread streams of the old one. */
         ctx_teardown(c);
         c->id = ++g.next_ctx_id;
+        ctx_count(c->host, -1);
     }
     pthread_mutex_unlock(&g.mu);
     return CUDA_SUCCESS;
@@ -689,6 +698,7 @@ FC_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev
     ctx_setup(c, dev, 0);
     c->gnext = g.ctxs;
     g.ctxs = c;
+    ctx_count(c->host, 1);
     pthread_mutex_unlock(&g.mu);
     CUresult r = push_ctx(c);
     if (r != CUDA_SUCCESS) {
@@ -722,6 +732,7 @@ FC_API CUresult cuCtxDestroy_v2(CUcontext ctx)
         }
     }
     ctx_teardown(ctx);
+    ctx_count(ctx->host, -1);
     ctx->magic = 0;
     pthread_mutex_unlock(&g.mu);
     pthread_mutex_destroy(&ctx->mu);

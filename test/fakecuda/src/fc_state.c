@@ -97,6 +97,13 @@ uint64_t fc_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
+uint64_t fc_now_us_real(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000ULL + (uint64_t)ts.tv_nsec / 1000;
+}
+
 static int robust_init(pthread_mutex_t *m)
 {
     pthread_mutexattr_t a;
@@ -363,6 +370,10 @@ int fc_proc_register(struct fc_dev *d, int pid, uint64_t pidns)
             p->kernel_ns = 0;
             p->mem_used = 0;
             p->kernels = 0;
+            p->ctxs = 0;
+            p->start_us = fc_now_us_real();
+            p->start_ns = fc_now_ns();
+            p->first_samp = d->nsamp;
         }
     }
     fc_dev_unlock(d);
@@ -492,6 +503,7 @@ static void grant_next_locked(struct fc_dev *d)
         if (best < 0) {
             d->owner_ticket = 0;
             d->owner_proc = -1;
+            d->hold_ns = 0;
             break;
         }
         struct fc_waiter wt = d->wq[best];
@@ -515,6 +527,7 @@ static void grant_next_locked(struct fc_dev *d)
         }
         d->handed_from = d->owner_proc;
         d->handed_ns = now;
+        d->hold_ns = 0; /* set by the new holder's worker when it wakes (fc_exec_acquire) */
         d->owner_ticket = wt.ticket;
         d->owner_proc = wt.proc;
         d->turn_end_ns = now + d->slice_ns;
@@ -542,6 +555,7 @@ uint64_t fc_exec_acquire(struct fc_dev *d, int proc, uint64_t *since)
             d->slice_proc = proc;
             d->slice_end_ns = fc_now_ns() + d->slice_ns;
         }
+        d->hold_ns = *since;
         trace_locked(d, proc, *since);
         fc_dev_unlock(d);
         return t;
@@ -580,6 +594,7 @@ uint64_t fc_exec_acquire(struct fc_dev *d, int proc, uint64_t *since)
     *since = fc_now_ns();
     if (d->handed_from == proc && d->handed_ns < *since)
         *since = d->handed_ns; /* handed on by another stream of this process */
+    d->hold_ns = *since;
     fc_dev_unlock(d);
     return t;
 }
@@ -595,6 +610,9 @@ static void account_locked(struct fc_dev *d, int proc, uint64_t busy_ns, uint64_
         d->procs[proc].kernel_ns += kernel_ns;
         d->procs[proc].kernels += kernels;
     }
+    /* Only the holder records (its worker's mark moves on by busy_ns). */
+    if (d->hold_ns)
+        d->hold_ns += busy_ns;
 }
 
 void fc_exec_account(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns, uint64_t kernel_ns)
@@ -615,6 +633,7 @@ void fc_exec_release(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_
         } else {
             d->owner_ticket = 0;
             d->owner_proc = -1;
+            d->hold_ns = 0;
             trace_locked(d, -1, fc_now_ns());
         }
     }
@@ -739,11 +758,18 @@ void fc_dev_reset(struct fc_dev *d)
     d->busy_ns = 0;
     d->kernel_ns = 0;
     d->kernels = 0;
+    /* Busy times start again from 0 now: earlier samples are void.  A hold
+     * in progress is recorded whole when it ends, as before a reset. */
+    d->samp_from = d->nsamp;
+    uint64_t now_us = fc_now_us_real(), now_ns = fc_now_ns();
     for (int i = 0; i < FC_MAX_PROCS; i++) {
         struct fc_proc *p = &d->procs[i];
         p->busy_ns = 0;
         p->kernel_ns = 0;
         p->kernels = 0;
+        p->start_us = now_us;
+        p->start_ns = now_ns;
+        p->first_samp = d->nsamp;
         if (p->state == FC_PROC_DEAD) {
             p->state = FC_PROC_FREE;
             p->pid = 0;
@@ -751,4 +777,51 @@ void fc_dev_reset(struct fc_dev *d)
         }
     }
     fc_dev_unlock(d);
+}
+
+void fc_proc_ctx(struct fc_dev *d, int proc, int delta)
+{
+    if (!d || proc < 0 || proc >= FC_MAX_PROCS)
+        return;
+    fc_dev_lock(d);
+    struct fc_proc *p = &d->procs[proc];
+    if (p->state == FC_PROC_ALIVE)
+        p->ctxs = p->ctxs + delta > 0 ? p->ctxs + delta : 0;
+    fc_dev_unlock(d);
+}
+
+uint64_t fc_busy_now_locked(const struct fc_dev *d, int i, uint64_t now_ns)
+{
+    uint64_t b = d->procs[i].busy_ns;
+    if (d->owner_ticket && d->owner_proc == i && d->hold_ns && now_ns > d->hold_ns)
+        b += now_ns - d->hold_ns;
+    return b;
+}
+
+uint64_t fc_sample_locked(struct fc_dev *d)
+{
+    uint64_t now_ns = fc_now_ns();
+    if (d->nsamp > d->samp_from) {
+        const struct fc_sample *last = &d->samp[(d->nsamp - 1) % FC_SAMPLES];
+        if (now_ns - last->t_ns < FC_SAMPLE_MIN_NS)
+            return d->nsamp - 1;
+    }
+    uint64_t k = d->nsamp;
+    uint64_t t_us = fc_now_us_real();
+    if (k > 0 && t_us <= d->samp[(k - 1) % FC_SAMPLES].t_us)
+        t_us = d->samp[(k - 1) % FC_SAMPLES].t_us + 1; /* the wall clock went back: stay increasing */
+    d->samp[k % FC_SAMPLES] = (struct fc_sample){t_us, now_ns};
+    for (int i = 0; i < FC_MAX_PROCS; i++)
+        if (d->procs[i].state == FC_PROC_ALIVE)
+            d->procs[i].samp_busy[k % FC_SAMPLES] = fc_busy_now_locked(d, i, now_ns);
+    d->nsamp = k + 1;
+    return k;
+}
+
+uint64_t fc_sample_busy_locked(const struct fc_dev *d, int i, uint64_t k)
+{
+    if (k >= d->nsamp || k < d->samp_from || k + FC_SAMPLES < d->nsamp)
+        return UINT64_MAX;
+    const struct fc_proc *p = &d->procs[i];
+    return k < p->first_samp ? 0 : p->samp_busy[k % FC_SAMPLES];
 }

@@ -24,8 +24,10 @@
 #define FC_MAX_PROCS 1024
 #define FC_MAX_WAITERS 256
 #define FC_MAGIC 0x41445543454b4146ULL /* "FAKECUDA" */
-#define FC_LAYOUT 5
+#define FC_LAYOUT 6
 #define FC_TRACE 4096 /* ownership changes kept in fc_dev.trace */
+#define FC_SAMPLES 16 /* utilisation samples kept in fc_dev.samp (NVML) */
+#define FC_SAMPLE_MIN_NS 20000000ULL /* NVML takes a new sample at most every 20 ms */
 #define FC_NAME_LEN 96
 
 enum { FC_PROC_FREE = 0, FC_PROC_ALIVE = 1, FC_PROC_DEAD = 2 };
@@ -44,6 +46,22 @@ struct fc_proc {
     uint64_t mem_used;
     uint64_t kernels;
     uint64_t kernel_ns; /* time its kernels ran */
+    int32_t ctxs;       /* its live contexts on the device (NVML lists it while > 0 or it holds memory) */
+    int32_t pad;
+    /* Utilisation samples (NVML, see fc_sample_locked): registration (or
+     * reset), when busy_ns was 0, as CLOCK_REALTIME us and CLOCK_MONOTONIC
+     * ns; the device's sample number then (samples before it predate the
+     * process: busy 0); busy_ns at sample k in samp_busy[k % FC_SAMPLES]. */
+    uint64_t start_us;
+    uint64_t start_ns;
+    uint64_t first_samp;
+    uint64_t samp_busy[FC_SAMPLES];
+};
+
+/* One utilisation sample of a device: when it was taken. */
+struct fc_sample {
+    uint64_t t_us; /* CLOCK_REALTIME, us since the epoch (NVML's timeStamp); strictly increasing */
+    uint64_t t_ns; /* CLOCK_MONOTONIC, ns */
 };
 
 /* One change of the process holding the device: from t_ns on, proc held it
@@ -87,6 +105,14 @@ struct fc_dev {
     uint64_t handed_ns;    /* when grant_next_locked last handed the device on */
     int32_t handed_from;   /* the process that held it then; -1: none */
     int32_t pad;
+    /* CLOCK_MONOTONIC since when the owner's held time is not yet in its
+     * busy_ns (the stream worker's mark); 0: none (idle, or granted and the
+     * worker not awake yet).  A reader adds now - hold_ns to the owner's
+     * busy_ns (fc_busy_now_locked). */
+    uint64_t hold_ns;
+    uint64_t nsamp;     /* utilisation samples taken; sample k is samp[k % FC_SAMPLES] */
+    uint64_t samp_from; /* samples before it are void (reset) */
+    struct fc_sample samp[FC_SAMPLES];
     uint64_t ntrace; /* ownership changes recorded; the last FC_TRACE are in trace */
     struct fc_trace_ent trace[FC_TRACE];
     struct fc_waiter wq[FC_MAX_WAITERS];
@@ -109,6 +135,8 @@ void fc_uuid_bytes(int index, unsigned char out[16]);
 void fc_uuid_string(int index, char *buf, size_t len);
 
 uint64_t fc_now_ns(void);
+/* CLOCK_REALTIME in microseconds since the epoch (NVML timestamps). */
+uint64_t fc_now_us_real(void);
 
 /* Maps the state of host device index.  create: create the file (from the
  * environment) when missing.  Returns NULL with errno set on failure. */
@@ -172,6 +200,22 @@ int fc_exec_preempt(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_n
 /* Device memory accounting: 0, or -1 when over the device total. */
 int fc_mem_reserve(struct fc_dev *d, int proc, uint64_t bytes);
 void fc_mem_unreserve(struct fc_dev *d, int proc, uint64_t bytes);
+
+/* Contexts of process entry proc on the device: delta +1 when one is
+ * created, -1 when destroyed (NVML lists processes that have one). */
+void fc_proc_ctx(struct fc_dev *d, int proc, int delta);
+
+/* With d->mu held: busy_ns of process entry i at now_ns (CLOCK_MONOTONIC),
+ * including the device hold in progress. */
+uint64_t fc_busy_now_locked(const struct fc_dev *d, int i, uint64_t now_ns);
+/* With d->mu held: the newest utilisation sample's number, after taking a
+ * new one (every live process's busy time now) unless the newest is under
+ * FC_SAMPLE_MIN_NS old. */
+uint64_t fc_sample_locked(struct fc_dev *d);
+/* With d->mu held: busy_ns of process entry i at sample k (0 for a sample
+ * before the process registered); -1 (UINT64_MAX) if sample k is no longer
+ * kept or void. */
+uint64_t fc_sample_busy_locked(const struct fc_dev *d, int i, uint64_t k);
 
 /* Clears busy counters and forgets exited processes. */
 void fc_dev_reset(struct fc_dev *d);

@@ -6,10 +6,12 @@
  */
 #define _GNU_SOURCE
 #include "mgpu_cuda.h"
+#include "fc_nvml.h"
 #include "fc_state.h"
 
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <stdio.h>
@@ -568,13 +570,511 @@ static int t_share(int n, uint64_t us, int count)
     return 0;
 }
 
+/* ---- NVML per-process queries ---- */
+
+/* The layouts go-nvml (and nvml.h) use. */
+_Static_assert(sizeof(nvmlProcessInfo_v1_t) == 16, "nvmlProcessInfo_v1_t");
+_Static_assert(sizeof(nvmlProcessInfo_v2_t) == 24, "nvmlProcessInfo_v2_t");
+_Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t");
+_Static_assert(sizeof(nvmlProcessUtilizationSample_t) == 32, "nvmlProcessUtilizationSample_t");
+
+#define NV(call, want)                                                                                   \
+    do {                                                                                                 \
+        nvmlReturn_t r_ = (call);                                                                        \
+        if (r_ != (want)) {                                                                              \
+            printf("FAIL %s:%d %s -> %s (%d), want %d\n", __FILE__, __LINE__, #call, nvmlErrorString(r_), \
+                   (int)r_, (int)(want));                                                                \
+            exit(1);                                                                                     \
+        }                                                                                                \
+    } while (0)
+
+static uint64_t real_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000ULL + (uint64_t)ts.tv_nsec / 1000;
+}
+
+static nvmlDevice_t nvml_dev0(void)
+{
+    nvmlDevice_t d;
+    NV(nvmlInit_v2(), NVML_SUCCESS);
+    NV(nvmlDeviceGetHandleByIndex_v2(0, &d), NVML_SUCCESS);
+    return d;
+}
+
+/* A child of the NVML tests: runs commands from the parent, one byte each
+ * on its own pipe, and answers each with one byte. */
+struct kid {
+    pid_t pid;
+    int cmd, ack; /* parent's ends */
+};
+
+typedef void (*kid_fn)(char cmd, void *arg);
+
+static struct kid kid_start(kid_fn body, void *arg)
+{
+    int c[2], a[2];
+    CHECK(pipe(c) == 0 && pipe(a) == 0);
+    fflush(stdout);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        close(c[1]);
+        close(a[0]);
+        body(0, arg); /* start */
+        CHECK(write(a[1], "k", 1) == 1);
+        char cmd;
+        while (read(c[0], &cmd, 1) == 1 && cmd != 'x') {
+            body(cmd, arg);
+            CHECK(write(a[1], "k", 1) == 1);
+        }
+        _exit(0);
+    }
+    close(c[0]);
+    close(a[1]);
+    struct kid k = {pid, c[1], a[0]};
+    char ack;
+    CHECK(read(k.ack, &ack, 1) == 1);
+    return k;
+}
+
+static void kid_do(struct kid *k, char cmd)
+{
+    char ack;
+    CHECK(write(k->cmd, &cmd, 1) == 1);
+    CHECK(read(k->ack, &ack, 1) == 1);
+}
+
+static void kid_end(struct kid *k)
+{
+    int st = 0;
+    CHECK(write(k->cmd, "x", 1) == 1);
+    CHECK(waitpid(k->pid, &st, 0) == k->pid && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    close(k->cmd);
+    close(k->ack);
+}
+
+/* Child A: memory through every allocation family; 'f' frees the linear
+ * 100 MiB synchronously and the async 2 MiB on its stream. */
+static CUdeviceptr a_big, a_async;
+static CUstream a_stream;
+#define A_PITCH_BYTES (1024ULL * 1000) /* 1000 wide rounded up to 512, 1000 high */
+#define A_BYTES                                                                                              \
+    ((100ULL << 20) + A_PITCH_BYTES + (1ULL << 20) + (2ULL << 20) + (3ULL << 20) + (4ULL << 20) + 4 * 64 * 8)
+#define A_FREED ((100ULL << 20) + (2ULL << 20))
+static void kid_a(char cmd, void *arg)
+{
+    (void)arg;
+    if (cmd == 0) {
+        setup();
+        CUdeviceptr p;
+        size_t pitch;
+        OK(cuMemAlloc_v2(&a_big, 100 << 20));
+        OK(cuMemAllocPitch_v2(&p, &pitch, 1000, 1000, 4));
+        CHECK(pitch == 1024);
+        OK(cuMemAllocManaged(&p, 1 << 20, CU_MEM_ATTACH_GLOBAL));
+        OK(cuStreamCreate(&a_stream, 0));
+        OK(cuMemAllocAsync(&a_async, 2 << 20, a_stream));
+        CUmemoryPool pool;
+        OK(cuDeviceGetDefaultMemPool(&pool, 0));
+        OK(cuMemAllocFromPoolAsync(&p, 3 << 20, pool, a_stream));
+        CUmemGenericAllocationHandle h;
+        CUmemAllocationProp prop;
+        memset(&prop, 0, sizeof(prop));
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        OK(cuMemCreate(&h, 4 << 20, &prop, 0));
+        CUarray arr;
+        CUDA_ARRAY_DESCRIPTOR ad = {.Width = 64, .Height = 8, .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 1};
+        OK(cuArrayCreate_v2(&arr, &ad));
+    } else if (cmd == 'f') {
+        OK(cuMemFree_v2(a_big));
+        OK(launch_ms(a_stream, 20));
+        OK(cuMemFreeAsync(a_async, a_stream));
+        OK(cuStreamSynchronize(a_stream));
+    }
+}
+
+/* Child B: 50 MiB and a 3D array, then waits to be killed. */
+#define B_BYTES ((50ULL << 20) + 16ULL * 10 * 20 * 3)
+static void kid_b(char cmd, void *arg)
+{
+    (void)arg;
+    if (cmd == 0) {
+        setup();
+        CUdeviceptr p;
+        OK(cuMemAlloc_v2(&p, 50 << 20));
+        CUarray arr;
+        CUDA_ARRAY3D_DESCRIPTOR ad3 = {.Width = 10, .Height = 20, .Depth = 3, .Format = CU_AD_FORMAT_FLOAT,
+                                       .NumChannels = 4};
+        OK(cuArray3DCreate_v2(&arr, &ad3));
+    }
+}
+
+/* Child C: cuInit only; 'c' retains the primary context, 'r' releases it,
+ * 'n' creates a context, 'd' destroys it. */
+static CUcontext c_ctx;
+static void kid_c(char cmd, void *arg)
+{
+    (void)arg;
+    CUcontext c;
+    if (cmd == 0)
+        OK(cuInit(0));
+    else if (cmd == 'c')
+        OK(cuDevicePrimaryCtxRetain(&c, 0));
+    else if (cmd == 'r')
+        OK(cuDevicePrimaryCtxRelease_v2(0));
+    else if (cmd == 'n')
+        OK(cuCtxCreate_v2(&c_ctx, 0, 0));
+    else if (cmd == 'd')
+        OK(cuCtxDestroy_v2(c_ctx));
+}
+
+#define MAXP 16
+static unsigned list_v3(nvmlDevice_t d, nvmlProcessInfo_t *out)
+{
+    unsigned n = MAXP;
+    NV(nvmlDeviceGetComputeRunningProcesses_v3(d, &n, out), NVML_SUCCESS);
+    for (unsigned i = 0; i < n; i++)
+        CHECK(out[i].gpuInstanceId == 0xFFFFFFFFu && out[i].computeInstanceId == 0xFFFFFFFFu);
+    return n;
+}
+
+/* The memory of pid in a v3 list; -1 if not listed. */
+static long long mem_of(const nvmlProcessInfo_t *v, unsigned n, pid_t pid)
+{
+    long long m = -1;
+    for (unsigned i = 0; i < n; i++)
+        if (v[i].pid == (unsigned)pid) {
+            CHECK(m < 0); /* listed once */
+            m = (long long)v[i].usedGpuMemory;
+        }
+    return m;
+}
+
+static unsigned long long nvml_used(nvmlDevice_t d)
+{
+    nvmlMemory_t m;
+    NV(nvmlDeviceGetMemoryInfo(d, &m), NVML_SUCCESS);
+    return m.used;
+}
+
+/* nvmlDeviceGetComputeRunningProcesses*: who is listed with how much
+ * memory, the count protocol, the three layouts, contexts, a SIGKILLed
+ * process. */
+static int t_nvml_procs(void)
+{
+    unsigned n = 0;
+    NV(nvmlDeviceGetComputeRunningProcesses_v3(NULL, &n, NULL), NVML_ERROR_UNINITIALIZED);
+    nvmlDevice_t d = nvml_dev0();
+    NV(nvmlDeviceGetComputeRunningProcesses_v3(d, &n, NULL), NVML_SUCCESS); /* nobody yet */
+    CHECK(n == 0);
+    struct kid a = kid_start(kid_a, NULL), b = kid_start(kid_b, NULL), c = kid_start(kid_c, NULL);
+    nvmlProcessInfo_t v[MAXP];
+    n = list_v3(d, v);
+    CHECK(n == 2); /* c has no context */
+    CHECK(mem_of(v, n, a.pid) == (long long)A_BYTES && mem_of(v, n, b.pid) == (long long)B_BYTES);
+    CHECK(nvml_used(d) == A_BYTES + B_BYTES);
+    printf("a.mem=%lld\nb.mem=%lld\n", mem_of(v, n, a.pid), mem_of(v, n, b.pid));
+
+    /* the count protocol */
+    n = 0;
+    NV(nvmlDeviceGetComputeRunningProcesses_v3(d, &n, NULL), FC_NVML_ERROR_INSUFFICIENT_SIZE);
+    CHECK(n == 2);
+    n = 1;
+    NV(nvmlDeviceGetComputeRunningProcesses_v3(d, &n, v), FC_NVML_ERROR_INSUFFICIENT_SIZE);
+    CHECK(n == 2);
+    n = 3;
+    NV(nvmlDeviceGetComputeRunningProcesses_v3(d, &n, NULL), NVML_ERROR_INVALID_ARGUMENT);
+    NV(nvmlDeviceGetComputeRunningProcesses_v3(d, NULL, v), NVML_ERROR_INVALID_ARGUMENT);
+    NV(nvmlDeviceGetComputeRunningProcesses_v3((nvmlDevice_t)&n, &n, v), NVML_ERROR_INVALID_ARGUMENT);
+    n = 2;
+    NV(nvmlDeviceGetComputeRunningProcesses_v3(d, &n, v), NVML_SUCCESS);
+    CHECK(n == 2);
+    nvmlProcessInfo_v1_t v1[4];
+    memset(v1, 0xff, sizeof(v1));
+    n = 4;
+    NV(nvmlDeviceGetComputeRunningProcesses(d, &n, v1), NVML_SUCCESS);
+    CHECK(n == 2 && v1[2].pid == 0xFFFFFFFFu);
+    for (unsigned i = 0; i < n; i++)
+        CHECK(v1[i].pid == v[i].pid && v1[i].usedGpuMemory == v[i].usedGpuMemory);
+    nvmlProcessInfo_v2_t v2[4];
+    n = 4;
+    NV(nvmlDeviceGetComputeRunningProcesses_v2(d, &n, v2), NVML_SUCCESS);
+    CHECK(n == 2);
+    for (unsigned i = 0; i < n; i++)
+        CHECK(v2[i].pid == v[i].pid && v2[i].usedGpuMemory == v[i].usedGpuMemory &&
+              v2[i].gpuInstanceId == 0xFFFFFFFFu && v2[i].computeInstanceId == 0xFFFFFFFFu);
+
+    /* a process is listed while it has a context */
+    kid_do(&c, 'c');
+    n = list_v3(d, v);
+    CHECK(n == 3 && mem_of(v, n, c.pid) == 0);
+    kid_do(&c, 'r');
+    n = list_v3(d, v);
+    CHECK(n == 2 && mem_of(v, n, c.pid) == -1);
+    kid_do(&c, 'n');
+    n = list_v3(d, v);
+    CHECK(n == 3 && mem_of(v, n, c.pid) == 0);
+    kid_do(&c, 'd');
+    n = list_v3(d, v);
+    CHECK(n == 2 && mem_of(v, n, c.pid) == -1);
+
+    /* frees */
+    kid_do(&a, 'f');
+    n = list_v3(d, v);
+    CHECK(mem_of(v, n, a.pid) == (long long)(A_BYTES - A_FREED) && mem_of(v, n, b.pid) == (long long)B_BYTES);
+    printf("a.mem_after_free=%lld\n", mem_of(v, n, a.pid));
+
+    /* SIGKILL: gone at once, its memory free */
+    CHECK(kill(b.pid, SIGKILL) == 0);
+    int st = 0;
+    CHECK(waitpid(b.pid, &st, 0) == b.pid && WIFSIGNALED(st));
+    n = list_v3(d, v);
+    CHECK(n == 1 && mem_of(v, n, a.pid) == (long long)(A_BYTES - A_FREED) && mem_of(v, n, b.pid) == -1);
+    CHECK(nvml_used(d) == A_BYTES - A_FREED);
+    close(b.cmd);
+    close(b.ack);
+
+    kid_end(&a);
+    kid_end(&c);
+    n = 0;
+    NV(nvmlDeviceGetComputeRunningProcesses_v3(d, &n, NULL), NVML_SUCCESS);
+    CHECK(n == 0);
+    CHECK(nvml_used(d) == 0);
+    NV(nvmlShutdown(), NVML_SUCCESS);
+    printf("nvml_procs=ok\n");
+    return 0;
+}
+
+/* The children of t_nvml_util. */
+struct ukid {
+    uint64_t kernel_us, period_us; /* period 0: flat out (two kernels in flight) */
+    uint64_t seconds_ms;
+};
+
+static void kid_util(char cmd, void *arg)
+{
+    const struct ukid *u = arg;
+    if (cmd == 0) {
+        setup();
+        if (u->kernel_us == 0) { /* the primer: one kernel before the watcher's first call */
+            OK(launch_ms(NULL, 1));
+            OK(cuStreamSynchronize(NULL));
+        }
+        return;
+    }
+    if (cmd != 'g')
+        return;
+    CUstream s;
+    CUevent ev[2];
+    OK(cuStreamCreate(&s, 0));
+    OK(cuEventCreate(&ev[0], 0));
+    OK(cuEventCreate(&ev[1], 0));
+    uint64_t ns = u->kernel_us * 1000ULL;
+    void *p[] = {&ns};
+    uint64_t t = now_ns(), end = t + u->seconds_ms * 1000000ULL;
+    for (uint64_t i = 0; now_ns() < end; i++) {
+        OK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s, p, NULL));
+        if (u->period_us) {
+            OK(cuStreamSynchronize(s));
+            t += u->period_us * 1000ULL;
+            struct timespec ts = {(time_t)(t / 1000000000ULL), (long)(t % 1000000000ULL)};
+            while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+                ;
+        } else {
+            OK(cuEventRecord(ev[i % 2], s));
+            if (i > 0)
+                OK(cuEventSynchronize(ev[(i + 1) % 2])); /* at most two in flight */
+        }
+    }
+    OK(cuStreamSynchronize(s));
+}
+
+/* One nvmlDeviceGetProcessUtilization answer the way go-nvml asks
+ * (count first, then the samples); returns the count, 0 for NOT_FOUND. */
+static unsigned util_query(nvmlDevice_t d, unsigned long long last, nvmlProcessUtilizationSample_t *out)
+{
+    unsigned n = 0;
+    uint64_t t = now_ns();
+    nvmlReturn_t r = nvmlDeviceGetProcessUtilization(d, NULL, &n, last);
+    if (r == NVML_ERROR_NOT_FOUND)
+        return 0;
+    NV(r, FC_NVML_ERROR_INSUFFICIENT_SIZE);
+    CHECK(n > 0 && n <= MAXP);
+    unsigned want = n;
+    n = MAXP;
+    r = nvmlDeviceGetProcessUtilization(d, out, &n, last);
+    if (now_ns() - t < 10000000ULL) {
+        NV(r, NVML_SUCCESS);
+        CHECK(n == want); /* the same sample: under 20 ms later */
+    } else if (r == NVML_ERROR_NOT_FOUND) {
+        return 0; /* a loaded box: a new sample, in which nobody ran */
+    } else {
+        NV(r, NVML_SUCCESS);
+    }
+    for (unsigned i = 1; i < n; i++)
+        CHECK(out[i].timeStamp == out[0].timeStamp);
+    for (unsigned i = 0; i < n; i++)
+        CHECK(out[i].smUtil <= 100 && out[i].memUtil == 0 && out[i].encUtil == 0 && out[i].decUtil == 0);
+    return n;
+}
+
+static int util_of(const nvmlProcessUtilizationSample_t *v, unsigned n, pid_t pid)
+{
+    int u = -1;
+    for (unsigned i = 0; i < n; i++)
+        if (v[i].pid == (unsigned)pid) {
+            CHECK(u < 0);
+            u = (int)v[i].smUtil;
+        }
+    return u;
+}
+
+static uint64_t busy_of(struct fc_dev *fd, pid_t pid)
+{
+    uint64_t b = UINT64_MAX;
+    fc_dev_lock(fd);
+    for (int i = 0; i < FC_MAX_PROCS; i++)
+        if (fd->procs[i].state == FC_PROC_ALIVE && fd->procs[i].pid == pid)
+            b = fd->procs[i].busy_ns;
+    fc_dev_unlock(fd);
+    CHECK(b != UINT64_MAX);
+    return b;
+}
+
+/* nvmlDeviceGetProcessUtilization as a watcher calls it: every 250 ms with
+ * the previous answer's timeStamp.  Process a runs kernels of a_us flat
+ * out, process b (if b_us > 0) a kernel of b_us every b_period_us, both for
+ * ms milliseconds, then idle (alive).  Prints each window and, over the
+ * whole run, NVML's value beside the truth (busy_ns / window). */
+static int t_nvml_util(uint64_t a_us, uint64_t b_us, uint64_t b_period_us, uint64_t ms)
+{
+    CHECK(a_us > 0 && ms > 0 && ms <= 10000 && (b_us == 0 || b_period_us > b_us));
+    nvmlDevice_t d = nvml_dev0();
+    nvmlProcessUtilizationSample_t v[MAXP];
+    struct ukid up = {0, 0, 0}, ua = {a_us, 0, ms}, ub = {b_us, b_period_us, ms};
+    struct kid prim = kid_start(kid_util, &up);
+    struct kid a = kid_start(kid_util, &ua), b = {0, -1, -1};
+    if (b_us)
+        b = kid_start(kid_util, &ub);
+    struct fc_dev *fd = fc_dev_open(0, 0);
+    CHECK(fd != NULL);
+
+    /* The first answer: only the primer ran (since it started).  The
+     * newest sample (another caller's, in this state dir) may be up to
+     * 20 ms old, from before the primer ran: answers come from it until
+     * then. */
+    struct timespec pause_ = {0, 30000000L};
+    nanosleep(&pause_, NULL);
+    unsigned n = util_query(d, 0, v);
+    CHECK(n == 1 && v[0].pid == (unsigned)prim.pid);
+    unsigned long long t0 = v[0].timeStamp, now = real_us();
+    CHECK(t0 <= now && t0 + 1000000 > now);
+    CHECK(util_query(d, t0, v) == 0); /* nothing newer */
+    printf("first.primer=%u\n", v[0].smUtil);
+
+    CHECK(write(a.cmd, "g", 1) == 1);
+    if (b_us)
+        CHECK(write(b.cmd, "g", 1) == 1);
+    uint64_t go = now_ns(), tick = go;
+    unsigned long long last = t0;
+    int done = 0;
+    double sum_a = 0, sum_b = 0;
+    printf("windows=");
+    for (int w = 0; w < 64; w++) {
+        tick += 250000000ULL;
+        struct timespec ts = {(time_t)(tick / 1000000000ULL), (long)(tick % 1000000000ULL)};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+            ;
+        if (!done && tick >= go + ms * 1000000ULL) {
+            /* the children's work is over: the next window's sample
+             * comes after it (they are idle and alive then) */
+            char ack;
+            CHECK(read(a.ack, &ack, 1) == 1);
+            if (b_us)
+                CHECK(read(b.ack, &ack, 1) == 1);
+            done = 1;
+            continue;
+        }
+        n = util_query(d, last, v);
+        if (n == 0) {
+            CHECK(done); /* a runs flat out until done */
+            break;
+        }
+        CHECK(v[0].timeStamp > last);
+        CHECK(util_of(v, n, prim.pid) == -1); /* it did not run */
+        int ua_ = util_of(v, n, a.pid), ub_ = b_us ? util_of(v, n, b.pid) : 0;
+        double len = (double)(v[0].timeStamp - last);
+        sum_a += ua_ > 0 ? ua_ * len : 0;
+        sum_b += ub_ > 0 ? ub_ * len : 0;
+        printf("%s%.0f:%d:%d%s", w ? "," : "", len, ua_, ub_, done ? ":end" : "");
+        last = v[0].timeStamp;
+        if (done)
+            break;
+    }
+    printf("\n");
+    CHECK(done);
+    /* The whole run in one answer, from t0: the same (newest) sample,
+     * or on a loaded box a later one (the children are idle since). */
+    n = util_query(d, t0, v);
+    CHECK(n >= 1 && v[0].timeStamp >= last);
+    double whole = (double)(v[0].timeStamp - t0); /* us */
+    uint64_t busy_a = busy_of(fd, a.pid), busy_b = b_us ? busy_of(fd, b.pid) : 0;
+    /* truth: busy_ns over the window; sum: the windows' values weighted
+     * by their lengths (they tile (t0, last], where all the work was) */
+    printf("whole_us=%.0f\nwhole.a=%d\ntruth.a=%.2f\nsum.a=%.2f\n", whole, util_of(v, n, a.pid),
+           (double)busy_a / whole / 10.0, sum_a / whole);
+    if (b_us)
+        printf("whole.b=%d\ntruth.b=%.2f\nsum.b=%.2f\n", util_of(v, n, b.pid), (double)busy_b / whole / 10.0,
+               sum_b / whole);
+    /* idle: nobody ran since */
+    struct timespec idle = {0, 100000000L};
+    nanosleep(&idle, NULL);
+    CHECK(util_query(d, last, v) == 0);
+    kid_end(&prim);
+    kid_end(&a);
+    if (b_us)
+        kid_end(&b);
+    fc_dev_close(fd);
+    NV(nvmlShutdown(), NVML_SUCCESS);
+    printf("nvml_util=ok\n");
+    return 0;
+}
+
+/* What this process's NVML reports: the running processes and one
+ * utilisation answer since lastSeenTimeStamp 0 (for the pid namespace
+ * tests). */
+static int t_nvml_list(void)
+{
+    nvmlDevice_t d = nvml_dev0();
+    nvmlProcessInfo_t v[MAXP];
+    unsigned n = list_v3(d, v);
+    printf("procs=%u\n", n);
+    for (unsigned i = 0; i < n; i++)
+        printf("proc pid=%u mem=%llu\n", v[i].pid, v[i].usedGpuMemory);
+    nvmlProcessUtilizationSample_t u[MAXP];
+    n = util_query(d, 0, u);
+    printf("samples=%u\n", n);
+    for (unsigned i = 0; i < n; i++)
+        printf("util pid=%u sm=%u\n", u[i].pid, u[i].smUtil);
+    NV(nvmlShutdown(), NVML_SUCCESS);
+    printf("nvml_list=ok\n");
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 5 && !strcmp(argv[1], "share"))
         return t_share(atoi(argv[2]), strtoull(argv[3], NULL, 10), atoi(argv[4]));
+    if (argc == 6 && !strcmp(argv[1], "nvml-util"))
+        return t_nvml_util(strtoull(argv[2], NULL, 10), strtoull(argv[3], NULL, 10), strtoull(argv[4], NULL, 10),
+                           strtoull(argv[5], NULL, 10));
     if (argc != 2) {
-        fprintf(stderr, "usage: fctest async|procaddr|ptsz|graph|memory|slice|init\n"
-                        "       fctest share PROCESSES KERNEL_US KERNELS\n");
+        fprintf(stderr, "usage: fctest async|procaddr|ptsz|graph|memory|slice|init|nvml-procs|nvml-list\n"
+                        "       fctest share PROCESSES KERNEL_US KERNELS\n"
+                        "       fctest nvml-util A_KERNEL_US B_KERNEL_US B_PERIOD_US MS\n");
         return 2;
     }
     int r = 2;
@@ -592,5 +1092,9 @@ int main(int argc, char **argv)
         r = t_slice();
     else if (!strcmp(argv[1], "init"))
         r = t_init();
+    else if (!strcmp(argv[1], "nvml-procs"))
+        r = t_nvml_procs();
+    else if (!strcmp(argv[1], "nvml-list"))
+        r = t_nvml_list();
     return r;
 }
