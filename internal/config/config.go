@@ -55,6 +55,7 @@ type Config struct {
 	Defaults DeviceSettings `toml:"defaults"`
 	Devices  []DeviceConfig `toml:"device"`
 	Sim      SimConfig      `toml:"sim"`
+	Backstop BackstopConfig `toml:"backstop"`
 
 	// path is the file this configuration was read from ("" for defaults).
 	path string
@@ -97,6 +98,35 @@ type SimGPU struct {
 	UUID string `toml:"uuid"`
 }
 
+// BackstopConfig configures the driver backstop of every enforcer
+// (docs/backstop.md): what NVML reports of each process on the device is
+// checked against the instance quotas.
+type BackstopConfig struct {
+	// Enabled runs the backstop.
+	Enabled bool `toml:"enabled"`
+	// Interval is how often the driver is sampled.
+	Interval time.Duration `toml:"interval"`
+	// Window is what the compute check judges over.
+	Window time.Duration `toml:"window"`
+	// ComputeTolerance is the GPU time an instance may take beyond what
+	// was accounted for it, in percent of the window.
+	ComputeTolerance int `toml:"compute_tolerance"`
+	// MemoryAllowanceMiB is the device memory allowed per process beyond
+	// the quota (the driver's own per-context memory), MiB.
+	MemoryAllowanceMiB int64 `toml:"memory_allowance_mib"`
+	// MemoryOnViolation, ComputeOnViolation and UnattributedOnViolation
+	// are "log" or "kill".
+	MemoryOnViolation       string `toml:"memory_on_violation"`
+	ComputeOnViolation      string `toml:"compute_on_violation"`
+	UnattributedOnViolation string `toml:"unattributed_on_violation"`
+}
+
+// Actions of the backstop on a violation.
+const (
+	OnViolationLog  = "log"
+	OnViolationKill = "kill"
+)
+
 // Limits of the settings, also used in error messages.
 const (
 	MinTimesliceMS                 = 1
@@ -116,6 +146,21 @@ const (
 	defaultSimMemoryMiB      int64 = 81920
 )
 
+// Limits and defaults of [backstop].
+const (
+	MinBackstopInterval                  = 10 * time.Millisecond
+	MaxBackstopInterval                  = 10 * time.Second
+	MaxBackstopWindow                    = time.Minute
+	MaxMemoryAllowanceMiB          int64 = 65536
+	DefaultBackstopInterval              = 250 * time.Millisecond
+	DefaultBackstopWindow                = time.Second
+	DefaultComputeTolerance              = 10
+	DefaultMemoryAllowanceMiB      int64 = 0
+	DefaultMemoryOnViolation             = OnViolationKill
+	DefaultComputeOnViolation            = OnViolationLog
+	DefaultUnattributedOnViolation       = OnViolationLog
+)
+
 // Default returns the configuration used when a key is not set.
 func Default() *Config {
 	return &Config{
@@ -131,6 +176,16 @@ func Default() *Config {
 			ComputeTimeslice:            DefaultTimesliceMS,
 			ComputeTimesliceNativeBurst: DefaultNativeTimesliceUS,
 			MaxInstances:                DefaultMaxInstances,
+		},
+		Backstop: BackstopConfig{
+			Enabled:                 true,
+			Interval:                DefaultBackstopInterval,
+			Window:                  DefaultBackstopWindow,
+			ComputeTolerance:        DefaultComputeTolerance,
+			MemoryAllowanceMiB:      DefaultMemoryAllowanceMiB,
+			MemoryOnViolation:       DefaultMemoryOnViolation,
+			ComputeOnViolation:      DefaultComputeOnViolation,
+			UnattributedOnViolation: DefaultUnattributedOnViolation,
 		},
 	}
 }
@@ -354,6 +409,9 @@ func (c *Config) validate() error {
 			return err
 		}
 	}
+	if err := c.Backstop.validate(); err != nil {
+		return err
+	}
 	if c.Backend == BackendSim && len(c.Sim.GPUs) == 0 {
 		return &Error{Key: "backend", Err: errors.New(`backend = "sim" needs at least one [[sim.gpu]] table`)}
 	}
@@ -403,6 +461,34 @@ func validateSettings(prefix string, s DeviceSettings, override bool) error {
 	}
 	return nil
 }
+
+func (b BackstopConfig) validate() error {
+	if b.Interval < MinBackstopInterval || b.Interval > MaxBackstopInterval {
+		return &Error{Key: "backstop.interval", Err: fmt.Errorf("must be a duration %v..%v (e.g. %q), got %v", MinBackstopInterval, MaxBackstopInterval, "250ms", b.Interval)}
+	}
+	if b.Window < b.Interval || b.Window > MaxBackstopWindow {
+		return &Error{Key: "backstop.window", Err: fmt.Errorf("must be a duration from backstop.interval (%v) to %v (e.g. %q), got %v", b.Interval, MaxBackstopWindow, "1s", b.Window)}
+	}
+	if b.ComputeTolerance < 0 || b.ComputeTolerance > 100 {
+		return &Error{Key: "backstop.compute_tolerance", Err: fmt.Errorf("must be 0..100 (percent of the window), got %d", b.ComputeTolerance)}
+	}
+	if b.MemoryAllowanceMiB < 0 || b.MemoryAllowanceMiB > MaxMemoryAllowanceMiB {
+		return &Error{Key: "backstop.memory_allowance_mib", Err: fmt.Errorf("must be 0..%d (MiB per process), got %d", MaxMemoryAllowanceMiB, b.MemoryAllowanceMiB)}
+	}
+	for _, a := range []struct{ key, val string }{
+		{"memory_on_violation", b.MemoryOnViolation},
+		{"compute_on_violation", b.ComputeOnViolation},
+		{"unattributed_on_violation", b.UnattributedOnViolation},
+	} {
+		if a.val != OnViolationLog && a.val != OnViolationKill {
+			return &Error{Key: "backstop." + a.key, Err: fmt.Errorf("unknown action %q (want %q or %q)", a.val, OnViolationLog, OnViolationKill)}
+		}
+	}
+	return nil
+}
+
+// MemoryAllowance is MemoryAllowanceMiB in bytes.
+func (b BackstopConfig) MemoryAllowance() uint64 { return uint64(b.MemoryAllowanceMiB) << 20 }
 
 func validateKind(kind string) error {
 	vendor, class, ok := strings.Cut(kind, "/")

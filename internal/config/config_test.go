@@ -23,6 +23,10 @@ func TestShippedConfigsLoad(t *testing.T) {
 		if c.Defaults.ComputePolicy != policy.FixedShare || c.Defaults.MaxInstances != 16 {
 			t.Errorf("%s: defaults %+v", name, c.Defaults)
 		}
+		// Real GPUs charge each context memory the shim does not count.
+		if want := map[string]int64{"config.toml": 512, "sim-node.toml": 0}[name]; c.Backstop.MemoryAllowanceMiB != want || !c.Backstop.Enabled {
+			t.Errorf("%s: backstop %+v, want memory_allowance_mib %d", name, c.Backstop, want)
+		}
 	}
 	c, _ := Load("../../packaging/config/sim-node.toml")
 	if len(c.Sim.GPUs) != 2 || c.Sim.GPUs[1].MemoryMiB != 81920 || c.Sim.GPUs[1].UUID != SimUUID(1) {
@@ -66,6 +70,61 @@ memory_mib = 1024
 	}
 }
 
+func TestBackstop(t *testing.T) {
+	t.Parallel()
+	want := BackstopConfig{
+		Enabled: true, Interval: 250 * time.Millisecond, Window: time.Second, ComputeTolerance: 10,
+		MemoryAllowanceMiB: 0, MemoryOnViolation: "kill", ComputeOnViolation: "log", UnattributedOnViolation: "log",
+	}
+	if got := Default().Backstop; got != want {
+		t.Errorf("Default: %+v, want %+v", got, want)
+	}
+	c, err := Parse("c.toml", []byte("version = 1\n"))
+	if err != nil || c.Backstop != want {
+		t.Fatalf("no [backstop]: %+v, %v", c.Backstop, err)
+	}
+	for _, tc := range []struct {
+		name, text string
+		want       BackstopConfig
+	}{
+		{"every key", `enabled = false
+interval = "100ms"
+window = "2.5s"
+compute_tolerance = 0
+memory_allowance_mib = 512
+memory_on_violation = "log"
+compute_on_violation = "kill"
+unattributed_on_violation = "kill"
+`, BackstopConfig{Interval: 100 * time.Millisecond, Window: 2500 * time.Millisecond, MemoryAllowanceMiB: 512,
+			MemoryOnViolation: "log", ComputeOnViolation: "kill", UnattributedOnViolation: "kill"}},
+		{"some keys", "memory_allowance_mib = 512\n", func() BackstopConfig { b := want; b.MemoryAllowanceMiB = 512; return b }()},
+		{"window equal to interval", "interval = \"1s\"\nwindow = \"1s\"\n", func() BackstopConfig {
+			b := want
+			b.Interval = time.Second
+			return b
+		}()},
+		{"bounds", "interval = \"10ms\"\nwindow = \"1m\"\ncompute_tolerance = 100\nmemory_allowance_mib = 65536\n", func() BackstopConfig {
+			b := want
+			b.Interval, b.Window, b.ComputeTolerance, b.MemoryAllowanceMiB = 10*time.Millisecond, time.Minute, 100, 65536
+			return b
+		}()},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			c, err := Parse("c.toml", []byte("version = 1\n[backstop]\n"+tc.text))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c.Backstop != tc.want {
+				t.Errorf("got %+v, want %+v", c.Backstop, tc.want)
+			}
+		})
+	}
+	if got := (BackstopConfig{MemoryAllowanceMiB: 512}).MemoryAllowance(); got != 512<<20 {
+		t.Errorf("MemoryAllowance %d", got)
+	}
+}
+
 func TestErrors(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
@@ -92,6 +151,22 @@ func TestErrors(t *testing.T) {
 		{"bad kind", "version = 1\ncdi_kind = \"gpu\"\n", 2, "cdi_kind", "vendor/class"},
 		{"bad uuid", simHeader + "uuid = \"abc\"\n", 4, "sim.gpu[0].uuid", "GPU-<uuid>"},
 		{"syntax", "version = 1\n[defaults\n", 2, "", "table name"},
+		{"unknown backstop key", "version = 1\n[backstop]\non_violation = \"kill\"\n", 3, "backstop.on_violation", "unknown key"},
+		{"backstop not a bool", "version = 1\n[backstop]\nenabled = \"yes\"\n", 3, "backstop.enabled", "incompatible types"},
+		{"interval not a duration", "version = 1\n[backstop]\ninterval = \"fast\"\n", 3, "backstop.interval", `invalid duration: "fast"`},
+		{"interval without unit", "version = 1\n[backstop]\ninterval = 250\n", 3, "backstop.interval", `must be a duration 10ms..10s (e.g. "250ms"), got 250ns`},
+		{"interval too short", "version = 1\n[backstop]\ninterval = \"5ms\"\n", 3, "backstop.interval", "must be a duration 10ms..10s"},
+		{"interval too long", "version = 1\n[backstop]\ninterval = \"11s\"\n", 3, "backstop.interval", "got 11s"},
+		{"window shorter than interval", "version = 1\n[backstop]\ninterval = \"500ms\"\nwindow = \"250ms\"\n", 4, "backstop.window", "from backstop.interval (500ms) to 1m0s"},
+		{"window too long", "version = 1\n[backstop]\nwindow = \"2m\"\n", 3, "backstop.window", "got 2m0s"},
+		{"negative tolerance", "version = 1\n[backstop]\ncompute_tolerance = -1\n", 3, "backstop.compute_tolerance", "must be 0..100"},
+		{"tolerance over 100", "version = 1\n[backstop]\ncompute_tolerance = 101\n", 3, "backstop.compute_tolerance", "must be 0..100"},
+		{"fractional tolerance", "version = 1\n[backstop]\ncompute_tolerance = 2.5\n", 3, "backstop.compute_tolerance", "incompatible types"},
+		{"negative allowance", "version = 1\n[backstop]\nmemory_allowance_mib = -1\n", 3, "backstop.memory_allowance_mib", "must be 0..65536"},
+		{"huge allowance", "version = 1\n[backstop]\nmemory_allowance_mib = 65537\n", 3, "backstop.memory_allowance_mib", "must be 0..65536"},
+		{"bad memory action", "version = 1\n[backstop]\nmemory_on_violation = \"warn\"\n", 3, "backstop.memory_on_violation", `unknown action "warn" (want "log" or "kill")`},
+		{"bad compute action", "version = 1\n[backstop]\ncompute_on_violation = \"Kill\"\n", 3, "backstop.compute_on_violation", `unknown action "Kill"`},
+		{"bad unattributed action", "version = 1\n[backstop]\nunattributed_on_violation = \"\"\n", 3, "backstop.unattributed_on_violation", `unknown action ""`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -142,6 +217,8 @@ func FuzzParse(f *testing.F) {
 	}
 	f.Add([]byte(simHeader + "memory_mib = -1\n"))
 	f.Add([]byte("version = 1\n[[device]]\nindex = 2\n[[device]]\nindex = 2\n"))
+	f.Add([]byte("version = 1\n[backstop]\ninterval = \"100ms\"\nwindow = \"1s\"\ncompute_tolerance = 10\nmemory_allowance_mib = 512\nmemory_on_violation = \"kill\"\n"))
+	f.Add([]byte("version = 1\n[backstop]\ninterval = 250\nwindow = \"1x\"\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		c, err := Parse("fuzz.toml", data)
 		if err != nil {
@@ -168,6 +245,16 @@ func FuzzParse(f *testing.F) {
 		for _, g := range c.Sim.GPUs {
 			if g.MemoryMiB <= 0 {
 				t.Fatalf("accepted memory %d", g.MemoryMiB)
+			}
+		}
+		b := c.Backstop
+		if b.Interval < MinBackstopInterval || b.Window < b.Interval || b.Window > MaxBackstopWindow ||
+			b.ComputeTolerance < 0 || b.ComputeTolerance > 100 || b.MemoryAllowanceMiB < 0 {
+			t.Fatalf("accepted backstop %+v", b)
+		}
+		for _, a := range []string{b.MemoryOnViolation, b.ComputeOnViolation, b.UnattributedOnViolation} {
+			if a != OnViolationLog && a != OnViolationKill {
+				t.Fatalf("accepted action %q", a)
 			}
 		}
 	})
