@@ -45,6 +45,9 @@ type sane struct {
 	bad                               bool // reported once
 }
 
+// total is the GPU time accepted of the slot so far.
+func (s *sane) total() uint64 { return s.gpu0 + s.gpu }
+
 // counts are one sanitized reading of a slot.
 type counts struct {
 	gpu, launches, throttled, queued, mem uint64
@@ -75,7 +78,7 @@ func (s *sane) read(p region.Proc, now time.Duration, maxQueued uint64) (counts,
 	}
 	s.launches, s.rawLaunches = accept(s.launches, s.rawLaunches, rawL, sat(life/launchPerNs, launchSlack), "launches", &why)
 	s.throttled, s.rawThrottled = accept(s.throttled, s.rawThrottled, p.ThrottledNs.Load(), sat(throttleRate*min(life, satCap/throttleRate), gpuSlack), "throttled_ns", &why)
-	c := counts{gpu: s.gpu0 + s.gpu, launches: s.launches0 + s.launches, throttled: s.throttled0 + s.throttled}
+	c := counts{gpu: s.total(), launches: s.launches0 + s.launches, throttled: s.throttled0 + s.throttled}
 	c.queued = p.QueuedNs.Load()
 	if c.queued > maxQueued {
 		c.queued, why = maxQueued, join(why, "queued_ns out of range")

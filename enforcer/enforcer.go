@@ -30,10 +30,12 @@ import (
 	"sync"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"golang.org/x/sys/unix"
 
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/enforcer/arbiter"
+	"github.com/mgpu-dev/mgpu/enforcer/backstop"
 	"github.com/mgpu-dev/mgpu/enforcer/procfs"
 	"github.com/mgpu-dev/mgpu/enforcer/region"
 	"github.com/mgpu-dev/mgpu/internal/config"
@@ -62,6 +64,7 @@ type options struct {
 	attachTimeout time.Duration
 	maxAttaches   int
 	sweep         time.Duration
+	nvml          nvml.Interface
 }
 
 // Option configures New.
@@ -72,6 +75,10 @@ func WithLogger(l *slog.Logger) Option { return func(o *options) { o.log = l } }
 
 // WithDevice describes the device instead of asking the configured backend.
 func WithDevice(d device.Info) Option { return func(o *options) { o.dev = &d } }
+
+// WithNVML makes the driver backstop use lib (tests: go-nvml's mock)
+// instead of loading libnvidia-ml.so.1.
+func WithNVML(lib nvml.Interface) Option { return func(o *options) { o.nvml = lib } }
 
 // WithTicks sets the arbitration tick while active (a fixed interval: the
 // loop then ticks every active whatever the arbiter's next decision), while
@@ -101,6 +108,8 @@ type Enforcer struct {
 	runDir   string
 	regions  string
 	view     *region.View // read-only view of regions: what processes get
+	nvml     nvml.Interface
+	backstop *backstop.Watcher // nil: off
 	statePth string
 	lock     *os.File
 	bootID   string
@@ -212,6 +221,9 @@ func (e *Enforcer) setup() error {
 	if err := e.restore(); err != nil {
 		return err
 	}
+	if err := e.openBackstop(); err != nil {
+		return err
+	}
 	return e.listen()
 }
 
@@ -316,7 +328,7 @@ func (e *Enforcer) Run(ctx context.Context) error {
 	defer cancel()
 	var wg sync.WaitGroup
 	errc := make(chan error, 2)
-	wg.Add(4)
+	wg.Add(5)
 	go func() {
 		defer wg.Done()
 		if err := e.http.Serve(e.control); err != nil && !errors.Is(err, http.ErrServerClosed) {
@@ -327,6 +339,7 @@ func (e *Enforcer) Run(ctx context.Context) error {
 	go func() { defer wg.Done(); e.serveAttach(ctx) }()
 	go func() { defer wg.Done(); e.watch(ctx) }()
 	go func() { defer wg.Done(); e.loop(ctx) }()
+	go func() { defer wg.Done(); e.runBackstop(ctx) }()
 	e.mu.Lock()
 	pol, n := e.settings.ComputePolicy, len(e.list)
 	e.mu.Unlock()
@@ -381,6 +394,9 @@ func (e *Enforcer) Close() {
 			e.w.close()
 		}
 		_ = e.view.Close()
+		if e.nvml != nil {
+			_ = e.nvml.Shutdown()
+		}
 		if e.lock != nil {
 			_ = e.lock.Close()
 		}

@@ -1,0 +1,118 @@
+package enforcer
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
+	"github.com/mgpu-dev/mgpu/enforcer/backstop"
+	"github.com/mgpu-dev/mgpu/internal/config"
+)
+
+// The driver backstop (docs/backstop.md): what the driver itself reports
+// of the device's processes (NVML), judged against each instance's quota
+// and the GPU time the enforcer accounted for it. It is what holds the
+// quotas against a process that bypasses the shim or lies in its counters.
+
+// openBackstop loads NVML and makes the watcher; with [backstop] enabled =
+// false it does nothing. On the simulated backend a missing NVML library
+// (no fakecuda on the library path) turns it off with a warning; on real
+// GPUs it is an error, so that a node never runs without it by accident.
+func (e *Enforcer) openBackstop() error {
+	bc := e.cfg.Backstop
+	if !bc.Enabled {
+		e.o.log.Info("driver backstop off ([backstop] enabled = false)")
+		return nil
+	}
+	lib := e.o.nvml
+	if lib == nil {
+		lib = nvml.New()
+	}
+	if ret := lib.Init(); ret != nvml.SUCCESS {
+		err := fmt.Errorf("driver backstop: initialise NVML: %v", ret)
+		if e.cfg.Backend == config.BackendSim {
+			e.o.log.Warn("driver backstop off: no NVML on the simulated backend", "err", err)
+			return nil
+		}
+		return fmt.Errorf("%w (set [backstop] enabled = false to run without it)", err)
+	}
+	src, err := backstop.NewNVMLSource(lib, e.index)
+	if err != nil {
+		_ = lib.Shutdown()
+		return fmt.Errorf("driver backstop: %w", err)
+	}
+	opts := []backstop.Option{
+		backstop.WithWindow(bc.Window),
+		backstop.WithComputeTolerance(bc.ComputeTolerance),
+		backstop.WithMemoryAllowance(bc.MemoryAllowance()),
+		backstop.WithKiller(backstop.NewPidfdKiller()),
+		backstop.WithLogger(e.o.log),
+	}
+	for k, s := range map[backstop.Kind]string{
+		backstop.KindMemory: bc.MemoryOnViolation, backstop.KindCompute: bc.ComputeOnViolation,
+		backstop.KindUnattributed: bc.UnattributedOnViolation,
+	} {
+		a, err := backstop.ParseAction(s)
+		if err != nil {
+			_ = lib.Shutdown()
+			return fmt.Errorf("driver backstop: %w", err)
+		}
+		opts = append(opts, backstop.WithAction(k, a))
+	}
+	w, err := backstop.New(src, opts...)
+	if err != nil {
+		_ = lib.Shutdown()
+		return fmt.Errorf("driver backstop: %w", err)
+	}
+	e.nvml, e.backstop = lib, w
+	e.o.log.Info("driver backstop on", "interval", bc.Interval, "window", bc.Window,
+		"memory", bc.MemoryOnViolation, "compute", bc.ComputeOnViolation, "unattributed", bc.UnattributedOnViolation)
+	return nil
+}
+
+// runBackstop checks the driver's view every interval until ctx ends.
+func (e *Enforcer) runBackstop(ctx context.Context) {
+	if e.backstop == nil {
+		return
+	}
+	t := time.NewTicker(e.cfg.Backstop.Interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		// The watcher logs violations (once per episode) and kills.
+		_, _ = e.backstop.Check(monotonic(), e.backstopInstances(), e.attribute)
+	}
+}
+
+// backstopInstances is the device's instances as the backstop judges them.
+func (e *Enforcer) backstopInstances() []backstop.Instance {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := make([]backstop.Instance, 0, len(e.list))
+	for _, in := range e.list {
+		acc := in.reapedGPU
+		in.forSlots(func(i int) { acc = sat(acc, in.sane[i].total()) })
+		out = append(out, backstop.Instance{Name: in.name, MemoryQuota: in.memMiB << 20, Accounted: clampDuration(acc)})
+	}
+	return out
+}
+
+// attribute names the instance a host pid belongs to, as attach does.
+func (e *Enforcer) attribute(pid int) (string, bool) {
+	info, err := e.inspect(pid)
+	if err != nil {
+		return "", false
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if in := e.matchLocked(info); in != nil {
+		return in.name, true
+	}
+	return "", false
+}
