@@ -31,7 +31,7 @@ func (e *Enforcer) openBackstop() error {
 		lib = nvml.New()
 	}
 	if ret := lib.Init(); ret != nvml.SUCCESS {
-		err := fmt.Errorf("driver backstop: initialise NVML: %v", ret)
+		err := fmt.Errorf("driver backstop: initialise NVML: %w", ret)
 		if e.cfg.Backend == config.BackendSim {
 			e.o.log.Warn("driver backstop off: no NVML on the simulated backend", "err", err)
 			return nil
