@@ -124,7 +124,8 @@ type Enforcer struct {
 	byID       map[int]*instance
 	list       []*instance // by id
 	byCID      map[string]*instance
-	watches    map[int]watchRef // pidfd -> what it watches
+	byWD       map[int]*instance // inotify watch -> instance
+	watches    map[int]watchRef  // pidfd -> what it watches
 	arb        *arbiter.Arbiter
 	usage      map[int]arbiter.Usage
 	saveSeq    uint64
@@ -168,6 +169,7 @@ func New(cfg *config.Config, index int, opts ...Option) (*Enforcer, error) {
 		statePth: filepath.Join(cfg.DeviceStateDir(index), StateFileName),
 		byID:     map[int]*instance{},
 		byCID:    map[string]*instance{},
+		byWD:     map[int]*instance{},
 		watches:  map[int]watchRef{},
 		usage:    map[int]arbiter.Usage{},
 		kick:     make(chan struct{}, 1),

@@ -3,7 +3,9 @@ package enforcer
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"strings"
@@ -507,12 +509,14 @@ func TestContainerByCgroup(t *testing.T) {
 	})
 }
 
-// TestTruncatedRegion: a process that truncates its own proc file (its
-// descriptor is writable) breaks its own instance only: the enforcer
-// repairs the file, releases that instance and keeps serving the others.
-func TestTruncatedRegion(t *testing.T) {
+// TestResizedProcFile: a process that shrinks or grows its own proc file
+// (its descriptor is writable) gets the file's size restored at once: the
+// enforcer never faults on it, and the node's /run memory is not taken;
+// the enforcer keeps serving the instance and the others.
+func TestResizedProcFile(t *testing.T) {
 	env := newEnv(t, nil)
-	env.start(t)
+	var logs syncBuffer
+	env.start(t, WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
 	c := env.client()
 	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
 		t.Fatal(err)
@@ -526,16 +530,23 @@ func TestTruncatedRegion(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer res.Close()
-	if err := res.Own.Truncate(0); err != nil {
-		t.Fatal(err)
+	for _, size := range []int64{0, 64 << 20, 100} {
+		if err := res.Own.Truncate(size); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, 5*time.Second, fmt.Sprintf("the size restored after a resize to %d", size), func() bool {
+			st, err := res.Own.Stat()
+			return err == nil && st.Size() == region.ProcFileSize
+		})
+		if _, err := c.Stats(ctx); err != nil { // touches every region
+			t.Fatal(err)
+		}
 	}
-	eventually(t, 5*time.Second, "the truncated instance is released", func() bool {
-		_, _ = c.Stats(ctx) // touches every region
-		l, err := c.List(ctx)
-		return err == nil && len(l) == 1 && l[0].Name == "mgpu0inst1"
-	})
-	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
-		t.Fatalf("after the repair: %v", err)
+	if l, err := c.List(ctx); err != nil || len(l) != 2 {
+		t.Fatalf("instances after the resizes: %+v, %v", l, err)
+	}
+	if n := strings.Count(logs.String(), "resized its proc file"); n < 1 || !strings.Contains(logs.String(), "instance=mgpu0inst0") {
+		t.Fatalf("%d warnings naming the instance:\n%s", n, logs.String())
 	}
 }
 

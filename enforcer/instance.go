@@ -49,6 +49,7 @@ type instance struct {
 	// most GPU time one process may report queued.
 	sane [region.MaxProcs]sane
 	qcap uint64
+	wd   int // inotify watch of the region directory; -1 when none
 
 	lastGPU      uint64
 	lastLaunches uint64
@@ -61,7 +62,7 @@ type watchRef struct {
 }
 
 func newInstance() *instance {
-	in := &instance{rootFD: -1}
+	in := &instance{rootFD: -1, wd: -1}
 	for i := range in.slotFD {
 		in.slotFD[i] = -1
 	}
@@ -413,6 +414,7 @@ func (e *Enforcer) params(in *instance) region.Params {
 }
 
 func (e *Enforcer) insertLocked(in *instance) {
+	e.watchRegionLocked(in)
 	e.byID[in.id] = in
 	if in.containerID != "" {
 		e.byCID[in.containerID] = in
@@ -455,6 +457,7 @@ func (e *Enforcer) releaseLocked(in *instance, why string) {
 		}
 	}
 	in.closeFDs()
+	e.unwatchRegionLocked(in)
 	e.guard(func() { in.reg.SetGrant(0) })
 	_ = in.reg.Close()
 	if err := region.Remove(in.path); err != nil {

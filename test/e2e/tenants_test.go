@@ -1,0 +1,60 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestContainerBypass: a process in a container loads the driver into a
+// link-map namespace of its own (dlmopen), where the preloaded shim is not,
+// and allocates 4 GiB in a 1 GiB instance. The enforcer's driver backstop
+// (NVML's per-process memory, the host pid attributed to the container)
+// kills it within 2 s. (The tamper case runs in TestContainerIsolation.)
+func TestContainerBypass(t *testing.T) {
+	e := setup(t, NodeOptions{}, useCtr)
+	ctx := context.Background()
+	for _, eng := range e.engines {
+		t.Run(eng.Name(), func(t *testing.T) {
+			c := e.container("bypass", "20", "1024")
+			c.Args = sh(c.ID, "exec /bin/mgpu-workload --resolve dlmopen alloc --api cuMemAlloc_v2 --mib 4096 --hold-ms -1")
+			if out, err := eng.Start(ctx, c); err != nil {
+				t.Fatalf("start: %v\n%s", err, out)
+			}
+			defer func() { _ = eng.Remove(ctx, c.ID) }()
+			pid, err := eng.InitPID(ctx, c.ID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			e.waitOutput(t, c.ID, "-> CUDA_SUCCESS", 20*time.Second)
+			t0 := time.Now()
+			if err := Poll(10*time.Second, func() error {
+				if alive(pid) {
+					return fmt.Errorf("pid %d (4096 MiB in a 1024 MiB container) still runs", pid)
+				}
+				return nil
+			}); err != nil {
+				t.Fatalf("%v\n%s", err, e.output(c.ID))
+			}
+			took := time.Since(t0)
+			t.Logf("the container's bypass (4096 MiB of 1024) was killed %v after its allocation", took.Round(time.Millisecond))
+			if took > 2*time.Second {
+				t.Errorf("killed after %v, want within 2s", took)
+			}
+		})
+	}
+}
+
+// alive reports whether pid runs (and is not a zombie).
+func alive(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	return i >= 0 && i+2 < len(s) && s[i+2] != 'Z'
+}
