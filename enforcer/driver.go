@@ -103,16 +103,45 @@ func (e *Enforcer) backstopInstances() []backstop.Instance {
 	return out
 }
 
-// attribute names the instance a host pid belongs to, as attach does.
+// attribution is a remembered answer of attribute.
+type attribution struct {
+	start, gen uint64 // the process's start time; e.gen when it was found
+	name       string
+	ok         bool
+}
+
+// maxAttributions bounds the remembered answers.
+const maxAttributions = 4096
+
+// attribute names the instance a host pid belongs to, as attach does. The
+// answer is remembered for the same process (pid and start time) while the
+// set of instances stays the same: a check asks about every process on the
+// device four times a second, and the walk up the process tree is the
+// costly part.
 func (e *Enforcer) attribute(pid int) (string, bool) {
-	info, err := e.inspect(pid)
+	st, err := e.o.proc.Stat(pid)
 	if err != nil {
 		return "", false
 	}
 	e.mu.Lock()
-	defer e.mu.Unlock()
-	if in := e.matchLocked(info); in != nil {
-		return in.name, true
+	if a, ok := e.attrs[pid]; ok && a.start == st.StartTime && a.gen == e.gen {
+		e.mu.Unlock()
+		return a.name, a.ok
 	}
-	return "", false
+	e.mu.Unlock()
+	info, err := e.inspect(pid)
+	if err != nil || info.startTime != st.StartTime {
+		return "", false
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	a := attribution{start: st.StartTime, gen: e.gen}
+	if in := e.matchLocked(info); in != nil {
+		a.name, a.ok = in.name, true
+	}
+	if len(e.attrs) >= maxAttributions {
+		clear(e.attrs)
+	}
+	e.attrs[pid] = a
+	return a.name, a.ok
 }

@@ -125,7 +125,9 @@ type Enforcer struct {
 	list       []*instance // by id
 	byCID      map[string]*instance
 	byWD       map[int]*instance // inotify watch -> instance
-	watches    map[int]watchRef  // pidfd -> what it watches
+	gen        uint64            // bumped when an instance comes or goes
+	attrs      map[int]attribution
+	watches    map[int]watchRef // pidfd -> what it watches
 	arb        *arbiter.Arbiter
 	usage      map[int]arbiter.Usage
 	saveSeq    uint64
@@ -170,6 +172,7 @@ func New(cfg *config.Config, index int, opts ...Option) (*Enforcer, error) {
 		byID:     map[int]*instance{},
 		byCID:    map[string]*instance{},
 		byWD:     map[int]*instance{},
+		attrs:    map[int]attribution{},
 		watches:  map[int]watchRef{},
 		usage:    map[int]arbiter.Usage{},
 		kick:     make(chan struct{}, 1),

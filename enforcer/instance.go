@@ -414,6 +414,7 @@ func (e *Enforcer) params(in *instance) region.Params {
 }
 
 func (e *Enforcer) insertLocked(in *instance) {
+	e.gen++
 	e.watchRegionLocked(in)
 	e.byID[in.id] = in
 	if in.containerID != "" {
@@ -437,6 +438,7 @@ func (e *Enforcer) releaseLocked(in *instance, why string) {
 		return
 	}
 	delete(e.byID, in.id)
+	e.gen++
 	if in.containerID != "" && e.byCID[in.containerID] == in {
 		delete(e.byCID, in.containerID)
 	}
