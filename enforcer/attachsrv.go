@@ -60,7 +60,8 @@ func (e *Enforcer) handleAttach(conn *net.UnixConn) {
 	if _, err := io.ReadFull(conn, buf[:]); err != nil {
 		return // incomplete request: close this connection only
 	}
-	if req, err := attach.DecodeRequest(buf[:]); err != nil {
+	req, err := attach.DecodeRequest(buf[:])
+	if err != nil {
 		// A shim of another protocol version gets the refusal in its own
 		// version, so that it prints the message instead of failing on
 		// the layout.
@@ -78,6 +79,14 @@ func (e *Enforcer) handleAttach(conn *net.UnixConn) {
 		return
 	}
 	defer func() { _ = unix.Close(pidfd) }()
+	if req.Flags == attach.FlagPeers {
+		resp, fds := e.peers(pid, pidfd)
+		_ = e.reply(conn, resp, fds)
+		for _, fd := range fds {
+			_ = unix.Close(fd)
+		}
+		return
+	}
 	resp, fds, in, slot := e.attach(pid, pidfd)
 	if fds == nil {
 		_ = e.reply(conn, resp, nil)
@@ -323,6 +332,58 @@ func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerI
 	resp.ProcSize = region.ProcFileSize
 	resp.InstanceID = uint32(in.id) //nolint:gosec // small
 	return resp, fds, in, slot
+}
+
+// peers answers an attached process's request for the read-only proc files
+// of the other attached processes of its instance.
+func (e *Enforcer) peers(pid, pidfd int) (attach.Response, []int) {
+	resp := attach.Response{DeviceIndex: uint32(e.index)} //nolint:gosec // small
+	info, err := e.inspect(pid)
+	if err == nil && exited(pidfd) {
+		err = os.ErrProcessDone
+	}
+	if err != nil {
+		resp.Status = attach.Internal
+		resp.Message = fmt.Sprintf("mgpu: cannot inspect pid %d: %v", pid, err)
+		return resp, nil
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	in := e.matchLocked(info)
+	own := -1
+	if in != nil {
+		in.forSlots(func(i int) {
+			if p := in.reg.Proc(i); int(p.PID.Load()) == pid && p.StartTime.Load() == info.startTime {
+				own = i
+			}
+		})
+	}
+	if own < 0 {
+		resp.Status = attach.NoInstance
+		resp.Message = fmt.Sprintf("mgpu: pid %d is not attached to an instance of device %d", pid, e.index)
+		return resp, nil
+	}
+	var slots []int
+	in.forSlots(func(i int) {
+		if i != own {
+			slots = append(slots, i)
+			resp.Peers[i/64] |= 1 << (i % 64)
+		}
+	})
+	fds, err := in.reg.PeerFDs(e.view, slots)
+	if err != nil {
+		resp.Status = attach.Internal
+		resp.Message = "mgpu: " + err.Error()
+		resp.Peers = [2]uint64{}
+		return resp, nil
+	}
+	resp.Slot = uint32(own)         //nolint:gosec // < MaxProcs
+	resp.InstanceID = uint32(in.id) //nolint:gosec // small
+	resp.ControlSize, resp.ProcSize = region.ControlFileSize, region.ProcFileSize
+	if len(fds) == 0 {
+		fds = nil // no SCM_RIGHTS message
+	}
+	return resp, fds
 }
 
 // exited reports whether a pidfd's process has exited (the pidfd polls

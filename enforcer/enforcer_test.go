@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"os/exec"
 	"strings"
 	"syscall"
 	"testing"
@@ -231,8 +232,8 @@ func TestAttach(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if res.ControlSize != region.ControlFileSize || res.ProcSize != region.ProcFileSize || res.DeviceIndex != 0 || res.InstanceID != uint32(out.Instance.ID) || len(res.Procs) != region.MaxProcs {
-		t.Fatalf("response %+v, %d proc files", res.Response, len(res.Procs))
+	if res.ControlSize != region.ControlFileSize || res.ProcSize != region.ProcFileSize || res.DeviceIndex != 0 || res.InstanceID != uint32(out.Instance.ID) {
+		t.Fatalf("response %+v", res.Response)
 	}
 	l, p := mapAttach(t, res)
 	if l.Magic != region.Magic || l.Core != 40 || l.MemoryLimit != 2048<<20 || l.InstanceID != 0 {
@@ -565,8 +566,23 @@ func TestAttachedFilesAreReadOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer res.Close()
-	other := (int(res.Slot) + 1) % region.MaxProcs
-	for name, f := range map[string]*os.File{"control": res.Control, "another slot": res.Procs[other], "own slot (read-only copy)": res.Procs[res.Slot]} {
+	sock := api.ClientSocket(env.runDir())
+	// A second process of the instance (a child of this one) attaches; the
+	// first asks for its peers' files.
+	h := startHelper(t, sock, nil)
+	if line := h.attach(t); !strings.HasPrefix(line, "ok slot=1 ") {
+		t.Fatalf("helper: %s", line)
+	}
+	peers, err := attach.Peers(sock, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(peers) != 1 || peers[1] == nil {
+		t.Fatalf("peers %v, want slot 1 only", peers)
+	}
+	defer peers[1].Close()
+	h.exit()
+	for name, f := range map[string]*os.File{"control": res.Control, "another slot": peers[1]} {
 		if _, err := unix.Mmap(int(f.Fd()), 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); !errors.Is(err, unix.EACCES) {
 			t.Errorf("%s: mmap writable: %v, want EACCES", name, err)
 		}
@@ -579,4 +595,29 @@ func TestAttachedFilesAreReadOnly(t *testing.T) {
 	}
 	own := mapFile(t, res.Own, region.ProcFileSize, unix.PROT_READ|unix.PROT_WRITE)
 	own[8] = 1 // mem_reserved: the own slot is writable
+	// A process that is not attached gets no peers.
+	cmd := exec.Command(os.Args[0], "-test.run=^TestPeersOfAStranger$", "-test.v")
+	cmd.Env = append(os.Environ(), "MGPU_TEST_PEERS_SOCKET="+sock)
+	out, err := cmd.CombinedOutput()
+	if err == nil && !strings.Contains(string(out), "--- PASS: TestPeersOfAStranger") {
+		err = errors.New("did not run")
+	}
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+}
+
+// TestPeersOfAStranger runs (as a child of TestAttachedFilesAreReadOnly,
+// so inside an instance, but not attached) when MGPU_TEST_SOCKET is set: a
+// process that is not attached is refused the peers' files.
+func TestPeersOfAStranger(t *testing.T) {
+	sock := os.Getenv("MGPU_TEST_PEERS_SOCKET")
+	if sock == "" {
+		t.Skip("run by TestAttachedFilesAreReadOnly")
+	}
+	_, err := attach.Peers(sock, 5*time.Second)
+	var re *attach.RefusedError
+	if !errors.As(err, &re) || re.Status != attach.NoInstance || !strings.Contains(err.Error(), "is not attached") {
+		t.Fatalf("peers of a process that is not attached: %v", err)
+	}
 }

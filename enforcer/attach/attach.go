@@ -17,7 +17,9 @@ const (
 	Magic      uint32 = 0x4150474d // MGPU_ATTACH_MAGIC, "MGPA" little-endian
 	Version    uint32 = 2          // MGPU_ATTACH_VERSION
 	MessageLen        = 224        // MGPU_ATTACH_MESSAGE_LEN
-	FDs               = 2 + 128    // MGPU_ATTACH_FDS: control, own proc file, every proc file
+	FDs               = 2          // MGPU_ATTACH_FDS: the control file and the own proc file
+	FlagPeers  uint32 = 1          // MGPU_ATTACH_FLAG_PEERS: ask for the other processes' proc files
+	maxProcs          = 128        // MGPU_REGION_MAX_PROCS
 
 	RequestSize  = 16
 	ResponseSize = 256
@@ -88,8 +90,8 @@ func DecodeRequest(b []byte) (Request, error) {
 	case r.Version != Version:
 		return r, fmt.Errorf("%w: the shim speaks attach protocol %d, this enforcer speaks %d: install the libmgpu-shim.so of the enforcer's release",
 			ErrBadRequest, r.Version, Version)
-	case r.Flags != 0:
-		return r, fmt.Errorf("%w: flags %#x, want 0", ErrBadRequest, r.Flags)
+	case r.Flags != 0 && r.Flags != FlagPeers:
+		return r, fmt.Errorf("%w: flags %#x, want 0 or %d", ErrBadRequest, r.Flags, FlagPeers)
 	}
 	return r, nil
 }
@@ -106,7 +108,10 @@ type Response struct {
 	DeviceIndex uint32
 	InstanceID  uint32
 	ProcSize    uint32
-	Message     string // at most MessageLen-1 bytes travel
+	Message     string // at most MessageLen-1 bytes travel; not with Peers
+	// Peers is the bitmap of the slots whose proc files an OK answer to a
+	// FlagPeers request carries (in the place of Message).
+	Peers [maxProcs / 64]uint64
 }
 
 // Marshal encodes r; a long message is cut at a UTF-8 boundary so that the
@@ -126,6 +131,12 @@ func (r Response) Marshal() [ResponseSize]byte {
 	le.PutUint32(b[20:], r.DeviceIndex)
 	le.PutUint32(b[24:], r.InstanceID)
 	le.PutUint32(b[28:], r.ProcSize)
+	if r.Peers != ([maxProcs / 64]uint64{}) {
+		for i, w := range r.Peers {
+			le.PutUint64(b[32+8*i:], w)
+		}
+		return b
+	}
 	copy(b[32:32+MessageLen-1], truncate(r.Message, MessageLen-1))
 	return b
 }
@@ -159,7 +170,15 @@ func DecodeResponse(b []byte) (Response, error) {
 	if i := bytes.IndexByte(msg, 0); i >= 0 {
 		msg = msg[:i]
 	}
+	var peers [maxProcs / 64]uint64
+	if Status(int32(le.Uint32(b[8:]))) == OK { //nolint:gosec // int32_t on the wire
+		for i := range peers {
+			peers[i] = le.Uint64(b[32+8*i:])
+		}
+		msg = nil
+	}
 	return Response{
+		Peers:       peers,
 		Version:     le.Uint32(b[4:]),
 		Status:      Status(int32(le.Uint32(b[8:]))), //nolint:gosec // int32_t on the wire
 		Slot:        le.Uint32(b[12:]),

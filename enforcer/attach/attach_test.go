@@ -21,7 +21,7 @@ func TestRequestRoundTrip(t *testing.T) {
 		{"magic", func(r *Request) { r.Magic = 1 }, RequestSize},
 		{"version 1", func(r *Request) { r.Version = 1 }, RequestSize},
 		{"version 3", func(r *Request) { r.Version = 3 }, RequestSize},
-		{"flags", func(r *Request) { r.Flags = 1 }, RequestSize},
+		{"flags", func(r *Request) { r.Flags = 2 }, RequestSize},
 		{"short", func(*Request) {}, RequestSize - 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -42,6 +42,13 @@ func TestResponseRoundTrip(t *testing.T) {
 	out, err := DecodeResponse(b[:])
 	if err != nil || out != in {
 		t.Fatalf("got %+v, %v", out, err)
+	}
+	// An OK answer to a peers request carries the bitmap where a refusal
+	// carries its message.
+	peers := Response{Version: Version, Status: OK, Slot: 2, ControlSize: 4096, ProcSize: 4096, Peers: [2]uint64{1<<5 | 1<<63, 1 << 1}}
+	b = peers.Marshal()
+	if out, err := DecodeResponse(b[:]); err != nil || out != peers {
+		t.Fatalf("peers: got %+v, %v", out, err)
 	}
 	// A long message is cut to fit, NUL-terminated, on a rune boundary.
 	in.Message = strings.Repeat("é", 200)
@@ -70,7 +77,7 @@ func FuzzDecodeRequest(f *testing.F) {
 			return
 		}
 		// reserved is not checked (the header asks only flags to be 0).
-		if r.Magic != Magic || r.Version != Version || r.Flags != 0 {
+		if r.Magic != Magic || r.Version != Version || (r.Flags != 0 && r.Flags != FlagPeers) {
 			t.Fatalf("accepted %+v", r)
 		}
 		if enc := r.Marshal(); string(enc[:]) != string(b) {

@@ -1,6 +1,7 @@
 package attach
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -13,14 +14,13 @@ import (
 // the caller maps (MAP_SHARED) and closes (Close).
 type Result struct {
 	Response
-	Control *os.File   // the control file, read-only (ControlSize bytes)
-	Own     *os.File   // the caller's proc file, read-write (ProcSize bytes)
-	Procs   []*os.File // every slot's proc file, read-only, by slot
+	Control *os.File // the control file, read-only (ControlSize bytes)
+	Own     *os.File // the caller's proc file, read-write (ProcSize bytes)
 }
 
-// Close closes every file of the result.
+// Close closes the result's files.
 func (r *Result) Close() {
-	for _, f := range append([]*os.File{r.Control, r.Own}, r.Procs...) {
+	for _, f := range []*os.File{r.Control, r.Own} {
 		if f != nil {
 			_ = f.Close()
 		}
@@ -49,25 +49,74 @@ func Dial(path string, timeout time.Duration) (*Result, error) {
 }
 
 // DialRequest sends raw request bytes (tests send malformed ones) and reads
-// the response.
+// the response of an attach.
 func DialRequest(path string, req []byte, timeout time.Duration) (*Result, error) {
+	resp, fds, err := exchange(path, req, timeout)
+	if err != nil {
+		return nil, err
+	}
+	if len(fds) != FDs {
+		closeAll(fds)
+		return nil, fmt.Errorf("attach: response with %d descriptors, want %d", len(fds), FDs)
+	}
+	return &Result{Response: resp, Control: os.NewFile(uintptr(fds[0]), "control"), Own: os.NewFile(uintptr(fds[1]), "own proc")}, nil //nolint:gosec // fds are non-negative
+}
+
+// Peers asks, as an attached process, for the read-only proc files of the
+// other attached processes of its instance, by slot. The caller closes them.
+func Peers(path string, timeout time.Duration) (map[int]*os.File, error) {
+	req := Request{Magic: Magic, Version: Version, Flags: FlagPeers}.Marshal()
+	resp, fds, err := exchange(path, req[:], timeout)
+	if err != nil {
+		return nil, err
+	}
+	out := map[int]*os.File{}
+	for slot := range maxProcs {
+		if resp.Peers[slot/64]&(1<<(slot%64)) == 0 {
+			continue
+		}
+		if len(fds) == 0 {
+			break
+		}
+		out[slot] = os.NewFile(uintptr(fds[0]), "proc") //nolint:gosec // fds are non-negative
+		fds = fds[1:]
+	}
+	if len(fds) > 0 {
+		closeAll(fds)
+		for _, f := range out {
+			_ = f.Close()
+		}
+		return nil, errors.New("attach: peers response with more descriptors than slots")
+	}
+	return out, nil
+}
+
+func closeAll(fds []int) {
+	for _, fd := range fds {
+		_ = unix.Close(fd)
+	}
+}
+
+// exchange sends one request and reads one response with its descriptors;
+// a refusal is a *RefusedError.
+func exchange(path string, req []byte, timeout time.Duration) (Response, []int, error) {
 	conn, err := net.DialTimeout("unix", path, timeout)
 	if err != nil {
-		return nil, fmt.Errorf("attach: %w", err)
+		return Response{}, nil, fmt.Errorf("attach: %w", err)
 	}
 	defer func() { _ = conn.Close() }()
 	uc := conn.(*net.UnixConn)
 	if err := uc.SetDeadline(time.Now().Add(timeout)); err != nil {
-		return nil, fmt.Errorf("attach: %w", err)
+		return Response{}, nil, fmt.Errorf("attach: %w", err)
 	}
 	if _, err := uc.Write(req); err != nil {
-		return nil, fmt.Errorf("attach: send request: %w", err)
+		return Response{}, nil, fmt.Errorf("attach: send request: %w", err)
 	}
 	buf := make([]byte, ResponseSize)
-	oob := make([]byte, unix.CmsgSpace(4*(FDs+2)))
+	oob := make([]byte, unix.CmsgSpace(4*(maxProcs+2)))
 	n, oobn, _, _, err := uc.ReadMsgUnix(buf, oob)
 	if err != nil {
-		return nil, fmt.Errorf("attach: read response: %w", err)
+		return Response{}, nil, fmt.Errorf("attach: read response: %w", err)
 	}
 	var fds []int
 	if oobn > 0 {
@@ -91,30 +140,22 @@ func DialRequest(path string, req []byte, timeout time.Duration) (*Result, error
 		m, rerr := uc.Read(buf[n:])
 		if rerr != nil {
 			closeFDs()
-			return nil, fmt.Errorf("attach: read response: %w", rerr)
+			return Response{}, nil, fmt.Errorf("attach: read response: %w", rerr)
 		}
 		n += m
 	}
 	resp, err := DecodeResponse(buf)
 	if err != nil {
 		closeFDs()
-		return nil, fmt.Errorf("attach: %w", err)
+		return Response{}, nil, fmt.Errorf("attach: %w", err)
 	}
 	if resp.Status != OK {
 		closeFDs()
-		return nil, &RefusedError{Status: resp.Status, Message: resp.Message}
+		return Response{}, nil, &RefusedError{Status: resp.Status, Message: resp.Message}
 	}
 	if resp.Version != Version {
 		closeFDs()
-		return nil, fmt.Errorf("attach: response of protocol version %d, this client speaks %d", resp.Version, Version)
+		return Response{}, nil, fmt.Errorf("attach: response of protocol version %d, this client speaks %d", resp.Version, Version)
 	}
-	if len(fds) != FDs {
-		closeFDs()
-		return nil, fmt.Errorf("attach: response with %d descriptors, want %d", len(fds), FDs)
-	}
-	res := &Result{Response: resp, Control: os.NewFile(uintptr(fds[0]), "control"), Own: os.NewFile(uintptr(fds[1]), "own proc")} //nolint:gosec // fds are non-negative
-	for _, fd := range fds[2:] {
-		res.Procs = append(res.Procs, os.NewFile(uintptr(fd), "proc")) //nolint:gosec // fds are non-negative
-	}
-	return res, nil
+	return resp, fds, nil
 }

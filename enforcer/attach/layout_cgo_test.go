@@ -29,6 +29,8 @@ func TestWireMatchesHeader(t *testing.T) {
 		"mgpu_attach_resp_t.instance_id":  24,
 		"mgpu_attach_resp_t.proc_size":    28,
 		"mgpu_attach_resp_t.message":      32,
+		"mgpu_attach_resp_t.peers":        32,
+		"MGPU_ATTACH_FLAG_PEERS":          uint64(FlagPeers),
 		"MGPU_ATTACH_MAGIC":               uint64(Magic),
 		"MGPU_ATTACH_VERSION":             uint64(Version),
 		"MGPU_ATTACH_FDS":                 FDs,

@@ -173,13 +173,18 @@ func TestTenantFDs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	peers, err := r.PeerFDs(v, []int{3, slot})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fds = append(fds, peers...)
 	defer func() {
 		for _, fd := range fds {
 			_ = unix.Close(fd)
 		}
 	}()
-	if len(fds) != 2+MaxProcs {
-		t.Fatalf("%d descriptors, want %d", len(fds), 2+MaxProcs)
+	if len(fds) != 4 {
+		t.Fatalf("%d descriptors, want 4", len(fds))
 	}
 	for _, tc := range []struct {
 		name string
@@ -187,8 +192,8 @@ func TestTenantFDs(t *testing.T) {
 		size int
 	}{
 		{"control", fds[0], ControlFileSize},
-		{"other slot", fds[2+3], ProcFileSize},
-		{"own slot, read-only copy", fds[2+slot], ProcFileSize},
+		{"other slot", fds[2], ProcFileSize},
+		{"own slot, read-only copy", fds[3], ProcFileSize},
 	} {
 		if _, err := unix.Mmap(tc.fd, 0, tc.size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); !errors.Is(err, unix.EACCES) {
 			t.Errorf("%s: mmap PROT_WRITE: %v, want EACCES", tc.name, err)
@@ -243,6 +248,9 @@ func TestTenantFDs(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer other.Close()
+	if _, err := other.PeerFDs(v, []int{0}); !errors.Is(err, ErrNotInView) {
+		t.Fatalf("region outside the view: %v, want ErrNotInView", err)
+	}
 	if _, err := other.TenantFDs(v, 0); !errors.Is(err, ErrNotInView) {
 		t.Fatalf("region outside the view: %v, want ErrNotInView", err)
 	}

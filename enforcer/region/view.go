@@ -54,38 +54,50 @@ func (v *View) openRO(name string) (int, error) {
 // ErrNotInView is returned by TenantFDs for a region outside the view.
 var ErrNotInView = errors.New("region is not in the read-only view's directory")
 
-// TenantFDs returns the descriptors the process in slot receives, in the
-// order of mgpu_region.h's attach protocol: the control file read-only,
-// its own proc file read-write, then every slot's proc file read-only. The
-// caller closes them.
+// TenantFDs returns the descriptors an attaching process in slot receives,
+// in the order of mgpu_region.h's attach protocol: the control file
+// read-only, then its own proc file read-write. The caller closes them.
 func (r *Region) TenantFDs(v *View, slot int) ([]int, error) {
-	if filepath.Dir(r.dir) != filepath.Clean(v.dir) {
-		return nil, fmt.Errorf("%w: %s", ErrNotInView, r.dir)
-	}
-	name := filepath.Base(r.dir)
-	fds := make([]int, 0, 2+MaxProcs)
-	fail := func(err error) ([]int, error) {
-		for _, fd := range fds {
-			_ = unix.Close(fd)
-		}
+	name, err := r.nameIn(v)
+	if err != nil {
 		return nil, err
 	}
-	fd, err := v.openRO(name + "/" + ControlName)
+	ctl, err := v.openRO(name + "/" + ControlName)
 	if err != nil {
-		return fail(fmt.Errorf("open control read-only: %w", err))
+		return nil, fmt.Errorf("open control read-only: %w", err)
 	}
-	fds = append(fds, fd)
-	fd, err = unix.Open(filepath.Join(r.dir, ProcName(slot)), unix.O_RDWR|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NOCTTY, 0)
+	own, err := unix.Open(filepath.Join(r.dir, ProcName(slot)), unix.O_RDWR|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NOCTTY, 0)
 	if err != nil {
-		return fail(fmt.Errorf("open own proc file: %w", err))
+		_ = unix.Close(ctl)
+		return nil, fmt.Errorf("open own proc file: %w", err)
 	}
-	fds = append(fds, fd)
-	for i := range MaxProcs {
+	return []int{ctl, own}, nil
+}
+
+// PeerFDs returns read-only descriptors of the given slots' proc files, in
+// that order. The caller closes them.
+func (r *Region) PeerFDs(v *View, slots []int) ([]int, error) {
+	name, err := r.nameIn(v)
+	if err != nil {
+		return nil, err
+	}
+	fds := make([]int, 0, len(slots))
+	for _, i := range slots {
 		fd, err := v.openRO(name + "/" + ProcName(i))
 		if err != nil {
-			return fail(fmt.Errorf("open proc file %d read-only: %w", i, err))
+			for _, fd := range fds {
+				_ = unix.Close(fd)
+			}
+			return nil, fmt.Errorf("open proc file %d read-only: %w", i, err)
 		}
 		fds = append(fds, fd)
 	}
 	return fds, nil
+}
+
+func (r *Region) nameIn(v *View) (string, error) {
+	if filepath.Dir(r.dir) != filepath.Clean(v.dir) {
+		return "", fmt.Errorf("%w: %s", ErrNotInView, r.dir)
+	}
+	return filepath.Base(r.dir), nil
 }

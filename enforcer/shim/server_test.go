@@ -24,6 +24,8 @@ const (
 	attachRespLen = 256
 	attachMsgOff  = 32
 
+	attachFlagPeers = 1
+
 	attachOK         = 0
 	attachNoInstance = 1
 	attachNoSlot     = 2
@@ -138,8 +140,12 @@ func (s *testServer) handle(c *net.UnixConn) {
 		copy(resp[attachMsgOff:attachRespLen-1], msg)
 		_, _ = c.Write(resp)
 	}
-	if le.Uint32(req[0:]) != attachMagic || le.Uint32(req[4:]) != attachVersion || le.Uint32(req[8:]) != 0 {
+	if le.Uint32(req[0:]) != attachMagic || le.Uint32(req[4:]) != attachVersion || le.Uint32(req[8:]) > attachFlagPeers {
 		fail(attachBadRequest, "bad request")
+		return
+	}
+	if le.Uint32(req[8:]) == attachFlagPeers {
+		s.peers(c, resp, uint32(cred.Pid)) //nolint:gosec // pids are positive
 		return
 	}
 	if m := s.refuse.Load(); m != nil {
@@ -165,6 +171,49 @@ func (s *testServer) handle(c *net.UnixConn) {
 	le.PutUint32(resp[16:], region.ControlFileSize)
 	le.PutUint32(resp[28:], region.ProcFileSize)
 	_, _, _ = c.WriteMsgUnix(resp, unix.UnixRights(fds...), nil)
+}
+
+// peers answers a peers request: the read-only proc files of the other
+// attached processes, their slots as a bitmap at the message's offset.
+func (s *testServer) peers(c *net.UnixConn, resp []byte, pid uint32) {
+	s.mu.Lock()
+	var slots []int
+	own := -1
+	for i := 0; i < region.MaxProcs; i++ {
+		switch p := s.reg.Proc(i).PID.Load(); {
+		case p == pid:
+			own = i
+		case p != 0:
+			slots = append(slots, i)
+		}
+	}
+	s.mu.Unlock()
+	le := binary.LittleEndian
+	if own < 0 {
+		le.PutUint32(resp[8:], attachNoInstance)
+		copy(resp[attachMsgOff:attachRespLen-1], "not attached")
+		_, _ = c.Write(resp)
+		return
+	}
+	fds, err := s.reg.PeerFDs(s.view, slots)
+	if err != nil {
+		le.PutUint32(resp[8:], attachBadRequest)
+		copy(resp[attachMsgOff:attachRespLen-1], err.Error())
+		_, _ = c.Write(resp)
+		return
+	}
+	for _, i := range slots {
+		off := attachMsgOff + 8*(i/64)
+		le.PutUint64(resp[off:], le.Uint64(resp[off:])|1<<(i%64))
+	}
+	var oob []byte
+	if len(fds) > 0 {
+		oob = unix.UnixRights(fds...)
+	}
+	_, _, _ = c.WriteMsgUnix(resp, oob, nil)
+	for _, fd := range fds {
+		_ = unix.Close(fd)
+	}
 }
 
 func readFull(c net.Conn, b []byte) (int, error) {

@@ -54,11 +54,23 @@ func hostile(role string) int {
 		return 1
 	}
 	fmt.Printf("attach=ok slot=%d\n", res.Slot)
-	other := res.Procs[(int(res.Slot)+1)%len(res.Procs)]
-	for _, f := range []struct {
+	files := []struct {
 		name string
 		f    *os.File
-	}{{"control", res.Control}, {"other", other}} {
+	}{{"control", res.Control}}
+	peers, err := attach.Peers(sock, 5*time.Second)
+	if err != nil {
+		fmt.Printf("peers=error error=%q\n", err.Error())
+		return 1
+	}
+	for _, f := range peers { // another attached process's slot, if any
+		files = append(files, struct {
+			name string
+			f    *os.File
+		}{"other", f})
+		break
+	}
+	for _, f := range files {
 		fmt.Printf("tamper.%s.mmap=%s tamper.%s.mprotect=%s tamper.%s.reopen=%s tamper.%s.write=%s tamper.%s.truncate=%s\n",
 			f.name, mapWritable(f.f), f.name, protectWritable(f.f), f.name, reopenWritable(f.f), f.name, writeTo(f.f), f.name, errnoName(f.f.Truncate(0)))
 	}

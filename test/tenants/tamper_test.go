@@ -26,6 +26,15 @@ func TestTamper(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Another process of the instance, attached, whose slot the tamperer
+	// also goes for.
+	holder, err := a.Spawn("alloc", "--api", "cuMemAlloc_v2", "--mib", "64", "--hold-ms", "-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := holder.WaitOutput("holding", 15*time.Second); err != nil {
+		t.Fatal(err)
+	}
 	tp, err := a.SpawnCommand(self(roleTamper)...)
 	if err != nil {
 		t.Fatal(err)

@@ -71,6 +71,7 @@ static const mgpu_entry mgpu_entries[] = {
 	OFF(mgpu_attach_resp_t, instance_id),
 	OFF(mgpu_attach_resp_t, proc_size),
 	OFF(mgpu_attach_resp_t, message),
+	OFF(mgpu_attach_resp_t, peers),
 
 	CONST(MGPU_REGION_MAGIC),
 	CONST(MGPU_REGION_VERSION),
@@ -83,6 +84,7 @@ static const mgpu_entry mgpu_entries[] = {
 	CONST(MGPU_ATTACH_MAGIC),
 	CONST(MGPU_ATTACH_VERSION),
 	CONST(MGPU_ATTACH_FDS),
+	CONST(MGPU_ATTACH_FLAG_PEERS),
 	CONST(MGPU_ATTACH_OK),
 	CONST(MGPU_ATTACH_NO_INSTANCE),
 	CONST(MGPU_ATTACH_NO_SLOT),

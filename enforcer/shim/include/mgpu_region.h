@@ -14,8 +14,8 @@
  *             enforcer only; every process receives it READ-ONLY.
  *   proc.NNN  mgpu_proc_t (NNN = 000..127): the counters of the process in
  *             slot NNN.  The process in that slot receives its own file
- *             read-write; it receives every slot's file read-only (to sum
- *             the instance's memory reservations).
+ *             read-write; it may ask for the other attached processes'
+ *             files, read-only (to sum the instance's memory reservations).
  *
  * Tenants are untrusted.  The read-only descriptors come from a read-only
  * (detached) mount of the regions directory, so that neither mmap(PROT_WRITE),
@@ -124,16 +124,27 @@ typedef struct mgpu_control {
  * Attach protocol on /run/mgpu/gpuX/client/client.sock (SOCK_STREAM).
  *
  * The client sends one mgpu_attach_req_t and reads one mgpu_attach_resp_t.
- * When status is MGPU_ATTACH_OK the response carries MGPU_ATTACH_FDS file
- * descriptors (SCM_RIGHTS, with the first byte of the response), in order:
- *   [0]        the control file, read-only (map PROT_READ, control_size bytes);
- *   [1]        the caller's own proc file, read-write (proc_size bytes);
- *   [2 + i]    slot i's proc file, read-only, for i = 0..max_procs-1
- *              (the caller's own slot included).
- * slot is the caller's own slot.  Otherwise no descriptor comes and message
- * holds one NUL-terminated line for the user (the shim prints it).  The
- * server identifies the caller by SO_PEERCRED, never by anything it sends.
- * The server closes the connection after the response.
+ * Two requests, by flags:
+ *   0                        attach.  An OK response carries two file
+ *                            descriptors (SCM_RIGHTS, with the first byte of
+ *                            the response): [0] the control file, read-only
+ *                            (map PROT_READ, control_size bytes), [1] the
+ *                            caller's own proc file, read-write (proc_size
+ *                            bytes).  slot is the caller's own slot.
+ *   MGPU_ATTACH_FLAG_PEERS   the read-only proc files of the other attached
+ *                            processes of the caller's instance (the caller
+ *                            must be attached).  An OK response has
+ *                            peers[] set to the slots whose files follow,
+ *                            one descriptor each, in ascending slot order.
+ *                            A slot's file stays that slot's for the
+ *                            region's life, so a mapping of it never goes
+ *                            stale: the shim asks once for slots it sees
+ *                            taken (control->slots[i].pid) and has not
+ *                            mapped.
+ * Otherwise no descriptor comes and message holds one NUL-terminated line
+ * for the user (the shim prints it).  The server identifies the caller by
+ * SO_PEERCRED, never by anything it sends.  The server closes the connection
+ * after the response.
  *
  * Versions: a request of another version that carries the right magic is
  * answered in that version's response layout (magic, version, status and
@@ -144,7 +155,8 @@ typedef struct mgpu_control {
  */
 #define MGPU_ATTACH_MAGIC 0x4150474du /* "MGPA" as little-endian bytes */
 #define MGPU_ATTACH_VERSION 2u
-#define MGPU_ATTACH_FDS (2u + MGPU_REGION_MAX_PROCS)
+#define MGPU_ATTACH_FDS 2u           /* descriptors of an OK attach */
+#define MGPU_ATTACH_FLAG_PEERS 1u    /* request: the other processes' proc files */
 
 #define MGPU_ATTACH_OK 0
 #define MGPU_ATTACH_NO_INSTANCE 1 /* caller belongs to no instance of this device */
@@ -155,7 +167,7 @@ typedef struct mgpu_control {
 typedef struct mgpu_attach_req {
     uint32_t magic;   /* MGPU_ATTACH_MAGIC */
     uint32_t version; /* MGPU_ATTACH_VERSION */
-    uint32_t flags;   /* must be 0 */
+    uint32_t flags;   /* 0 (attach) or MGPU_ATTACH_FLAG_PEERS */
     uint32_t reserved;
 } mgpu_attach_req_t;
 
@@ -170,7 +182,10 @@ typedef struct mgpu_attach_resp {
     uint32_t device_index; /* X */
     uint32_t instance_id;  /* Y */
     uint32_t proc_size;    /* bytes of each proc file to map */
-    char message[MGPU_ATTACH_MESSAGE_LEN];
+    union {
+        char message[MGPU_ATTACH_MESSAGE_LEN]; /* status != OK */
+        uint64_t peers[MGPU_REGION_MAX_PROCS / 64]; /* OK answer to FLAG_PEERS: bitmap of the slots sent */
+    };
 } mgpu_attach_resp_t;
 
 #ifndef __cplusplus

@@ -108,6 +108,7 @@ static struct link_map *self_map(void)
 
 static pthread_mutex_t g_load_mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
 static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t g_peers_mu = PTHREAD_MUTEX_INITIALIZER; /* asking for peers' proc files */
 static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
 static void reset_attachment(void);
 
@@ -120,6 +121,7 @@ static void atfork_child(void)
     pthread_mutex_t plain = PTHREAD_MUTEX_INITIALIZER;
     g_load_mu = rec;
     g_init_mu = plain;
+    g_peers_mu = plain;
     mgpu_acct_mu = plain;
     reset_attachment();
     mgpu_mem_reset_after_fork();
@@ -286,17 +288,17 @@ static int write_all(int fd, const void *buf, size_t len)
     return 0;
 }
 
-/* Reads the response and the descriptors that come with it (at most
- * MGPU_ATTACH_FDS; *nfds says how many).  Returns 0, or -1 with err filled
+/* Reads the response and the descriptors that come with it (at most max,
+ * the others are closed; *nfds says how many).  Returns 0, or -1 with err filled
  * and no descriptor left open. */
-static int read_resp(int s, mgpu_attach_resp_t *resp, int *fds, unsigned *nfds, char *err, size_t errlen)
+static int read_resp(int s, mgpu_attach_resp_t *resp, int *fds, unsigned *nfds, unsigned max, char *err, size_t errlen)
 {
     size_t got = 0;
     *nfds = 0;
     while (got < sizeof *resp) {
         struct iovec iov = {(char *)resp + got, sizeof *resp - got};
         union {
-            char buf[CMSG_SPACE(MGPU_ATTACH_FDS * sizeof(int))];
+            char buf[CMSG_SPACE(MGPU_REGION_MAX_PROCS * sizeof(int))];
             struct cmsghdr align;
         } cbuf;
         struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf.buf,
@@ -316,7 +318,7 @@ static int read_resp(int s, mgpu_attach_resp_t *resp, int *fds, unsigned *nfds, 
             for (size_t i = 0; i < nfd; i++) {
                 int f;
                 memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
-                if (*nfds < MGPU_ATTACH_FDS)
+                if (*nfds < max)
                     fds[(*nfds)++] = f;
                 else
                     close(f);
@@ -342,9 +344,10 @@ fail:
     return -1;
 }
 
-/* Maps what an OK response carries (mgpu_region.h): the control file and
- * every slot's proc file read-only, the own proc file read-write.  Closes
- * every descriptor.  Returns 0, or -1 with err filled and nothing mapped. */
+/* Maps what an OK attach carries (mgpu_region.h): the control file
+ * read-only, the own proc file read-write, and reserves the range the other
+ * slots' files are mapped into when first needed.  Closes the descriptors.
+ * Returns 0, or -1 with err filled and nothing mapped. */
 static int map_region(struct mgpu_dev *d, const mgpu_attach_resp_t *resp, int *fds, unsigned nfds, unsigned idx,
                       char *err, size_t errlen)
 {
@@ -372,22 +375,13 @@ static int map_region(struct mgpu_dev *d, const mgpu_attach_resp_t *resp, int *f
         goto out;
     }
     d->slot = own;
-    /* The slots side by side: reserve the range, then map each file into
-     * its page. */
-    size_t span = (size_t)MGPU_PROC_FILE_SIZE * MGPU_REGION_MAX_PROCS;
-    char *base = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    char *base = mmap(NULL, (size_t)MGPU_PROC_FILE_SIZE * MGPU_REGION_MAX_PROCS, PROT_NONE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (base == MAP_FAILED) {
         snprintf(err, errlen, "reserving the slots' range: %s", strerror(errno));
         goto out;
     }
     d->procs = base;
-    for (unsigned i = 0; i < MGPU_REGION_MAX_PROCS; i++) {
-        if (mmap(base + (size_t)i * MGPU_PROC_FILE_SIZE, MGPU_PROC_FILE_SIZE, PROT_READ, MAP_SHARED | MAP_FIXED,
-                 fds[2 + i], 0) == MAP_FAILED) {
-            snprintf(err, errlen, "mapping proc file %u: %s", i, strerror(errno));
-            goto out;
-        }
-    }
     const mgpu_control_t *rg = d->region;
     if (rg->magic != MGPU_REGION_MAGIC || rg->version != MGPU_REGION_VERSION || rg->size != MGPU_CONTROL_FILE_SIZE ||
         rg->max_procs != MGPU_REGION_MAX_PROCS || rg->device_index != idx) {
@@ -405,7 +399,9 @@ out:
     return rc;
 }
 
-static int attach_one(struct mgpu_dev *d, unsigned idx, char *path, size_t pathlen, char *err, size_t errlen)
+/* Connects to device idx's client socket and sends a request with flags.
+ * Returns the socket, or -1 with err filled. */
+static int request(unsigned idx, uint32_t flags, char *path, size_t pathlen, char *err, size_t errlen)
 {
     if (sock_path(path, pathlen, idx)) {
         snprintf(path, pathlen, "%s/gpu%u/client/client.sock", run_dir(), idx);
@@ -435,37 +431,94 @@ static int attach_one(struct mgpu_dev *d, unsigned idx, char *path, size_t pathl
         close(s);
         return -1;
     }
-    mgpu_attach_req_t req = {.magic = MGPU_ATTACH_MAGIC, .version = MGPU_ATTACH_VERSION};
+    mgpu_attach_req_t req = {.magic = MGPU_ATTACH_MAGIC, .version = MGPU_ATTACH_VERSION, .flags = flags};
     if (write_all(s, &req, sizeof req)) {
         snprintf(err, errlen, "sending the request: %s", strerror(errno));
         close(s);
         return -1;
     }
+    return s;
+}
+
+/* Checks a response: 0 when it is an OK of this version, -1 with err filled
+ * (the enforcer's message for a refusal). */
+static int check_resp(mgpu_attach_resp_t *resp, char *err, size_t errlen)
+{
+    if (resp->magic != MGPU_ATTACH_MAGIC) {
+        snprintf(err, errlen, "not an mgpu enforcer (bad response magic)");
+        return -1;
+    }
+    if (resp->status != MGPU_ATTACH_OK) {
+        resp->message[MGPU_ATTACH_MESSAGE_LEN - 1] = 0;
+        for (char *c = resp->message; *c; c++)
+            if (*c == '\n' || *c == '\r')
+                *c = ' ';
+        snprintf(err, errlen, "%s", resp->message[0] ? resp->message : "refused");
+        return -1;
+    }
+    if (resp->version != MGPU_ATTACH_VERSION) {
+        snprintf(err, errlen, "the enforcer speaks attach protocol %u, this shim %u: install the libmgpu-shim.so of "
+                              "the enforcer's release", resp->version, MGPU_ATTACH_VERSION);
+        return -1;
+    }
+    return 0;
+}
+
+/* Asks the enforcer for the proc files of the instance's other attached
+ * processes and maps the ones not mapped yet.  Returns 0 or -1 (err). */
+static int fetch_peers(struct mgpu_dev *d, char *err, size_t errlen)
+{
+    char path[PATH_MAX];
+    int s = request(d->host_index, MGPU_ATTACH_FLAG_PEERS, path, sizeof path, err, errlen);
+    if (s < 0)
+        return -1;
+    mgpu_attach_resp_t resp;
+    memset(&resp, 0, sizeof resp);
+    int fds[MGPU_REGION_MAX_PROCS];
+    unsigned nfds = 0, used = 0;
+    int r = read_resp(s, &resp, fds, &nfds, MGPU_REGION_MAX_PROCS, err, errlen);
+    close(s);
+    if (r)
+        return -1;
+    if (check_resp(&resp, err, errlen) == 0) {
+        for (unsigned i = 0; i < MGPU_REGION_MAX_PROCS && used < nfds; i++) {
+            if (!(resp.peers[i / 64] & (1ull << (i % 64))))
+                continue;
+            int fd = fds[used++];
+            uint64_t bit = 1ull << (i % 64);
+            if (i == d->own || (atomic_load(&d->mapped[i / 64]) & bit))
+                continue;
+            if (mmap(d->procs + (size_t)i * MGPU_PROC_FILE_SIZE, MGPU_PROC_FILE_SIZE, PROT_READ, MAP_SHARED | MAP_FIXED,
+                     fd, 0) == MAP_FAILED) {
+                snprintf(err, errlen, "mapping proc file %u: %s", i, strerror(errno));
+                r = -1;
+                break;
+            }
+            atomic_fetch_or(&d->mapped[i / 64], bit);
+        }
+    } else {
+        r = -1;
+    }
+    for (unsigned i = 0; i < nfds; i++)
+        close(fds[i]);
+    return r;
+}
+
+static int attach_one(struct mgpu_dev *d, unsigned idx, char *path, size_t pathlen, char *err, size_t errlen)
+{
+    int s = request(idx, 0, path, pathlen, err, errlen);
+    if (s < 0)
+        return -1;
     mgpu_attach_resp_t resp;
     memset(&resp, 0, sizeof resp);
     int fds[MGPU_ATTACH_FDS];
     unsigned nfds = 0;
-    int r2 = read_resp(s, &resp, fds, &nfds, err, errlen);
+    int r2 = read_resp(s, &resp, fds, &nfds, MGPU_ATTACH_FDS, err, errlen);
     close(s);
     if (r2)
         return -1;
-    if (resp.magic != MGPU_ATTACH_MAGIC) {
-        snprintf(err, errlen, "not an mgpu enforcer (bad response magic)");
+    if (check_resp(&resp, err, errlen))
         goto fail;
-    }
-    if (resp.status != MGPU_ATTACH_OK) {
-        resp.message[MGPU_ATTACH_MESSAGE_LEN - 1] = 0;
-        for (char *c = resp.message; *c; c++)
-            if (*c == '\n' || *c == '\r')
-                *c = ' ';
-        snprintf(err, errlen, "%s", resp.message[0] ? resp.message : "refused");
-        goto fail;
-    }
-    if (resp.version != MGPU_ATTACH_VERSION) {
-        snprintf(err, errlen, "the enforcer speaks attach protocol %u, this shim %u: install the libmgpu-shim.so of "
-                              "the enforcer's release", resp.version, MGPU_ATTACH_VERSION);
-        goto fail;
-    }
     unsigned n = nfds;
     nfds = 0;
     if (map_region(d, &resp, fds, n, idx, err, errlen))
@@ -652,14 +705,35 @@ CUresult mgpu_resolve_dev(int ordinal, struct mgpu_dev **pd)
     return *pd ? CUDA_SUCCESS : err;
 }
 
-uint64_t mgpu_instance_used(const struct mgpu_dev *d)
+uint64_t mgpu_instance_used(struct mgpu_dev *d)
 {
-    /* The own slot through its writable mapping, the others through their
-     * read-only ones.  A slot's value is what its process claims: a huge
+    /* The own slot through its writable mapping; the other taken slots
+     * (control->slots[i].pid) through read-only mappings, asked for from the
+     * enforcer the first time a slot is seen taken.  A slot's counters are
+     * zero whenever its pid is (the enforcer clears them first), so free
+     * slots are skipped.  A slot's value is what its process claims: a huge
      * one makes this instance's allocations fail, never another's. */
     uint64_t sum = atomic_load(&d->slot->mem_reserved);
     for (unsigned i = 0; i < MGPU_REGION_MAX_PROCS; i++) {
-        if (i == d->own)
+        uint64_t bit = 1ull << (i % 64);
+        /* A slot taken after the enforcer answered is missing from that
+         * answer: ask again (twice at most for one slot). */
+        for (int tries = 0; i != d->own && atomic_load(&d->region->slots[i].pid) != 0 &&
+                            !(atomic_load(&d->mapped[i / 64]) & bit);
+             tries++) {
+            if (tries == 2)
+                return UINT64_MAX; /* unknown: fail closed */
+            char err[256];
+            pthread_mutex_lock(&g_peers_mu);
+            int r = (atomic_load(&d->mapped[i / 64]) & bit) ? 0 : fetch_peers(d, err, sizeof err);
+            pthread_mutex_unlock(&g_peers_mu);
+            if (r) {
+                fprintf(stderr, "mgpu: cannot read the instance's other processes' memory (%s); the allocation fails\n",
+                        err);
+                return UINT64_MAX;
+            }
+        }
+        if (i == d->own || !(atomic_load(&d->mapped[i / 64]) & bit) || atomic_load(&d->region->slots[i].pid) == 0)
             continue;
         const mgpu_proc_t *p = (const mgpu_proc_t *)(const void *)(d->procs + (size_t)i * MGPU_PROC_FILE_SIZE);
         uint64_t v = atomic_load(&p->mem_reserved);

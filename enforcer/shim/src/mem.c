@@ -437,7 +437,7 @@ MGPU_EXPORT CUresult cuArrayDestroy(CUarray hArray)
 
 /* ---- what the process is told ---- */
 
-static uint64_t free_in_quota(const struct mgpu_dev *d, uint64_t real_free)
+static uint64_t free_in_quota(struct mgpu_dev *d, uint64_t real_free)
 {
     uint64_t used = mgpu_instance_used(d);
     uint64_t f = used >= d->limit ? 0 : d->limit - used;

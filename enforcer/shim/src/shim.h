@@ -37,7 +37,8 @@ struct mgpu_dev {
     unsigned host_index;   /* X of /run/mgpu/gpuX */
     const mgpu_control_t *region; /* the control file, read-only; NULL: not managed by mgpu (refused) */
     mgpu_proc_t *slot;            /* the own proc file, read-write */
-    const char *procs;            /* every slot's proc file, read-only, MGPU_PROC_FILE_SIZE apart */
+    char *procs;                  /* the other slots' proc files, read-only, MGPU_PROC_FILE_SIZE apart */
+    _Atomic uint64_t mapped[MGPU_REGION_MAX_PROCS / 64]; /* slots mapped at procs (asked for when first seen taken) */
     unsigned own;                 /* the own slot */
     uint64_t limit;               /* region->memory_limit */
     uint64_t max_queued_ns;
@@ -63,7 +64,7 @@ struct mgpu_dev *mgpu_current_dev(CUresult *err); /* the current context's devic
  * accounts on (ordinal < 0: the current context's).  CUDA_SUCCESS with *pd
  * NULL: pass through unaccounted (fail-open). */
 CUresult mgpu_resolve_dev(int ordinal, struct mgpu_dev **pd);
-uint64_t mgpu_instance_used(const struct mgpu_dev *d);
+uint64_t mgpu_instance_used(struct mgpu_dev *d);
 extern unsigned mgpu_generation; /* bumped in a forked child; guarded by mgpu_acct_mu */
 
 /* mem.c */

@@ -20,10 +20,12 @@
 package main
 
 import (
+	"bufio"
 	"errors"
 	"flag"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"time"
@@ -79,9 +81,13 @@ func main() {
 		_ = f.Close()
 	}
 	fmt.Printf("region.path=%s\nregion.path_open=%q\n", path, open)
-	other := res.Procs[(int(res.Slot)+1)%len(res.Procs)]
 	fmt.Printf("tamper.control.mmap=%s tamper.control.reopen=%s\n", mapWritable(res.Control), reopenWritable(res.Control))
-	fmt.Printf("tamper.other.mmap=%s tamper.other.reopen=%s\n", mapWritable(other), reopenWritable(other))
+	if other, stop, err := peer(sock); err != nil {
+		fmt.Printf("tamper.other=error error=%q\n", err.Error())
+	} else {
+		fmt.Printf("tamper.other.mmap=%s tamper.other.reopen=%s\n", mapWritable(other), reopenWritable(other))
+		stop()
+	}
 	fmt.Printf("tamper.own.mmap=%s\n", mapWritable(res.Own))
 	if *hold > 0 {
 		fmt.Println("holding")
@@ -115,4 +121,32 @@ func errnoName(err error) string {
 		return unix.ErrnoName(en)
 	}
 	return "error"
+}
+
+// peer starts a second attached process of the container (this program
+// with -hold) and returns its proc file as the enforcer hands it to this
+// one (read-only), and how to stop it.
+func peer(sock string) (*os.File, func(), error) {
+	cmd := exec.Command("/proc/self/exe", "-hold", "60s")
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, nil, err
+	}
+	stop := func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }
+	sc := bufio.NewScanner(out)
+	for sc.Scan() && sc.Text() != "holding" {
+	}
+	peers, err := attach.Peers(sock, 5*time.Second)
+	if err != nil {
+		stop()
+		return nil, nil, err
+	}
+	for _, f := range peers {
+		return f, stop, nil
+	}
+	stop()
+	return nil, nil, errors.New("no peer")
 }
