@@ -81,6 +81,14 @@ func BuildRootfs(dir, build, shim string) error {
 	for _, l := range []string{"libcuda.so.1", "libnvidia-ml.so.1"} {
 		libs[filepath.Join(libcDir, l)] = filepath.Join(fake, l)
 	}
+	// The dynamic loader also where a distribution has it, beside libc: a
+	// library namespace of its own (dlmopen, the hostile-tenant tests)
+	// loads it by name from the library path.
+	for in, host := range libs {
+		if strings.HasPrefix(filepath.Base(in), "ld-linux") && filepath.Dir(in) != libcDir {
+			libs[filepath.Join(libcDir, filepath.Base(in))] = host
+		}
+	}
 	for in, host := range libs {
 		real, err := filepath.EvalSymlinks(host)
 		if err != nil {

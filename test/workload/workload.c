@@ -423,6 +423,7 @@ static int cmd_alloc(void)
     for (long i = 0; i < opt.count; i++) {
         rs[i] = do_alloc(opt.api, bytes, &hs[i]);
         printf("alloc %ld %s %gMiB -> %s (%d)\n", i, opt.api, opt.mib, errname(rs[i]), (int)rs[i]);
+        fflush(stdout); /* a process killed for what it holds has said what it got */
         if (rs[i] == CUDA_SUCCESS)
             ok++;
         else if (rs[i] == CUDA_ERROR_OUT_OF_MEMORY)
