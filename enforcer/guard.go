@@ -5,12 +5,13 @@ import (
 )
 
 // guard runs f, which touches mapped regions, with e.mu held. Every process
-// of an instance holds a writable descriptor of its region (a shared
-// writable mapping needs one), so it can truncate the file; the enforcer's
-// next access beyond the new end then faults (SIGBUS). guard turns such a
-// fault into a panic (debug.SetPanicOnFault), recovers it, restores the size
-// of every truncated region and releases its instance: a process can break
-// only its own instance, never the enforcer. Other panics propagate.
+// of an instance holds a writable descriptor of its own proc file (a shared
+// writable mapping needs one), so it can truncate the file; inotify tells
+// the enforcer at once (watch.go), but an access beyond the new end before
+// that faults (SIGBUS). guard turns such a fault into a panic
+// (debug.SetPanicOnFault), recovers it, restores the size of every
+// truncated file and releases its instance: a process can break only its
+// own instance, never the enforcer. Other panics propagate.
 func (e *Enforcer) guard(f func()) (faulted bool) {
 	old := debug.SetPanicOnFault(true)
 	defer debug.SetPanicOnFault(old)

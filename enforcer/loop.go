@@ -195,8 +195,9 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 		if in.reg.L().Contended.Load() != c {
 			in.reg.L().Contended.Store(c)
 		}
-		// Compared with the word itself, not with what was written last:
-		// a process that sets its own grant is overruled at the next tick.
+		// Compared with the word itself, not with what was written last
+		// (processes have the control file read-only; this also repairs
+		// a word changed behind the enforcer's back, e.g. on the host).
 		if in.reg.L().Grant.Load() != v {
 			in.reg.SetGrant(v)
 		}

@@ -28,7 +28,7 @@ const (
 	ControlSocketName = "control.sock"  // 0600, root only
 	ClientDirName     = "client"        // 0755, the only part mounted into containers
 	ClientSocketName  = "client.sock"   // 0666, inside ClientDirName
-	RegionsDirName    = "regions"       // 0700, one region file per instance
+	RegionsDirName    = "regions"       // 0700, one region directory per instance
 	LockFileName      = "enforcer.lock" // flock: one enforcer per device
 )
 
@@ -109,7 +109,7 @@ type Instance struct {
 	MemoryMiB   uint64    `json:"memory_mib"`
 	Created     time.Time `json:"created"`
 	Processes   int       `json:"processes"` // attached processes
-	Region      string    `json:"region"`    // region file on the host
+	Region      string    `json:"region"`    // region directory on the host
 }
 
 // CreateResponse is the answer to POST /v1/instances.

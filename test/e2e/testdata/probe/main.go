@@ -68,7 +68,7 @@ func main() {
 	}
 	fmt.Printf("region.magic_ok=%v region.device=%d region.instance=%d region.core=%d region.memory_limit=%d region.slot_pid=%d\n",
 		l.Magic == region.Magic, l.DeviceIndex, l.InstanceID, l.Core, l.MemoryLimit, slotPID)
-	// The descriptor names the region file on the host; that path must not
+	// The descriptor names the control file on the host; that path must not
 	// lead anywhere from inside the container.
 	path, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", res.Control.Fd()))
 	if err != nil {
