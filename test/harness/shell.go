@@ -28,12 +28,32 @@ type Shell struct {
 	stdout   *bufio.Reader
 	mu       sync.Mutex
 	seq      int
+	spawned  []Proc // under mu
 }
 
 // Proc is one process spawned in a Shell.
 type Proc struct {
-	PID int
-	Out string // file holding its stdout and stderr
+	PID   int
+	Out   string // file holding its stdout and stderr
+	start string // its /proc start time, so that Close never kills a reused pid
+}
+
+// startTime is field 22 of /proc/<pid>/stat ("" when it cannot be read).
+func startTime(pid int) string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return ""
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 {
+		return ""
+	}
+	f := strings.Fields(s[i+1:])
+	if len(f) < 20 {
+		return ""
+	}
+	return f[19]
 }
 
 // Shell starts a shell and registers it with device dev's enforcer as the
@@ -118,7 +138,9 @@ func (s *Shell) SpawnCommand(argv ...string) (Proc, error) {
 	if err != nil {
 		return Proc{}, fmt.Errorf("harness: shell printed %q", pidLine)
 	}
-	return Proc{PID: pid, Out: out}, nil
+	p := Proc{PID: pid, Out: out, start: startTime(pid)}
+	s.spawned = append(s.spawned, p)
+	return p, nil
 }
 
 // Output returns what p printed so far.
@@ -163,5 +185,15 @@ func (s *Shell) Close() {
 	for _, pid := range Descendants(s.cmd.Process.Pid) {
 		_ = syscall.Kill(pid, syscall.SIGKILL)
 	}
+	// What it spawned, also once the shell is gone (its children are then
+	// the init process's): a process that holds until killed must not
+	// outlive the test.
+	s.mu.Lock()
+	for _, p := range s.spawned {
+		if p.start != "" && startTime(p.PID) == p.start {
+			_ = syscall.Kill(p.PID, syscall.SIGKILL)
+		}
+	}
+	s.mu.Unlock()
 	_ = s.stdin.Close()
 }
