@@ -82,9 +82,7 @@ func (e *Enforcer) handleAttach(conn *net.UnixConn) {
 	if req.Flags == attach.FlagPeers {
 		resp, fds := e.peers(pid, pidfd)
 		_ = e.reply(conn, resp, fds)
-		for _, fd := range fds {
-			_ = unix.Close(fd)
-		}
+		closeFDs(fds)
 		return
 	}
 	resp, fds, in, slot := e.attach(pid, pidfd)
@@ -93,9 +91,7 @@ func (e *Enforcer) handleAttach(conn *net.UnixConn) {
 		return
 	}
 	err = e.reply(conn, resp, fds)
-	for _, fd := range fds {
-		_ = unix.Close(fd)
-	}
+	closeFDs(fds)
 	if err != nil {
 		// The caller went away before it got its region: free the slot.
 		e.mu.Lock()
@@ -106,6 +102,13 @@ func (e *Enforcer) handleAttach(conn *net.UnixConn) {
 		return
 	}
 	e.kickLoop()
+}
+
+// closeFDs closes descriptors a reply carried (or would have).
+func closeFDs(fds []int) {
+	for _, fd := range fds {
+		_ = unix.Close(fd)
+	}
 }
 
 func (e *Enforcer) reply(conn *net.UnixConn, r attach.Response, fds []int) error {
@@ -259,9 +262,7 @@ func (e *Enforcer) attach(pid, pidfd int) (attach.Response, []int, *instance, in
 		in   *instance
 	)
 	if e.guard(func() { resp, fds, in, slot = e.attachLocked(resp, pid, pidfd, info) }) {
-		for _, fd := range fds {
-			_ = unix.Close(fd)
-		}
+		closeFDs(fds)
 		resp.Status = attach.Internal
 		resp.Message = "mgpu: the instance's region was truncated by one of its processes; the instance is released"
 		return resp, nil, nil, 0
@@ -310,9 +311,7 @@ func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerI
 	}
 	wfd, err := unix.FcntlInt(uintptr(pidfd), unix.F_DUPFD_CLOEXEC, 0) //nolint:gosec // a valid fd
 	if err != nil {
-		for _, fd := range fds {
-			_ = unix.Close(fd)
-		}
+		closeFDs(fds)
 		resp.Status = attach.Internal
 		resp.Message = "mgpu: " + err.Error()
 		return resp, nil, nil, 0
