@@ -11,6 +11,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -244,10 +245,11 @@ func TestNVMLPIDNamespaces(t *testing.T) {
 	fctest := filepath.Join(e.p.LibDir, "fctest")
 	host := e.cmd(e.p.Workload, "alloc", "--api", "cuMemAlloc_v2", "--mib", "32", "--hold-ms", "-1")
 	startHolder(t, host)
-	inNS := e.cmd(unshare, "--pid", "--fork", "--mount-proc", e.p.Workload, "alloc", "--api", "cuMemAlloc_v2", "--mib", "64", "--hold-ms", "-1")
+	inNS := e.cmd(unshare, "--pid", "--fork", "--kill-child", "--mount-proc", e.p.Workload, "alloc", "--api", "cuMemAlloc_v2", "--mib", "64", "--hold-ms", "-1")
 	startHolder(t, inNS)
 	nsHolder := childOf(t, inNS.Process.Pid)
-	compute := e.cmd(unshare, "--pid", "--fork", "--mount-proc", e.p.Workload, "compute", "--kernel-us", "1000", "--seconds", "5")
+	t.Cleanup(func() { _ = syscall.Kill(nsHolder, syscall.SIGKILL) }) // --kill-child too: it must not outlive the test
+	compute := e.cmd(unshare, "--pid", "--fork", "--kill-child", "--mount-proc", e.p.Workload, "compute", "--kernel-us", "1000", "--seconds", "5")
 	if err := compute.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -292,7 +294,7 @@ func TestNVMLPIDNamespaces(t *testing.T) {
 	}
 
 	// In a namespace of its own: nobody is visible.
-	l = parseList(t, e.run(0, unshare, "--pid", "--fork", "--mount-proc", fctest, "nvml-list"))
+	l = parseList(t, e.run(0, unshare, "--pid", "--fork", "--kill-child", "--mount-proc", fctest, "nvml-list"))
 	if len(l.procs) != 0 || len(l.samples) != 0 {
 		t.Errorf("in a new namespace: want nobody, got:\n%s", l.out)
 	}
