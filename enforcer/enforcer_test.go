@@ -3,7 +3,6 @@ package enforcer
 import (
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -510,10 +509,12 @@ func TestContainerByCgroup(t *testing.T) {
 	})
 }
 
-// TestResizedProcFile: a process that shrinks or grows its own proc file
-// (its descriptor is writable) gets the file's size restored at once: the
-// enforcer never faults on it, and the node's /run memory is not taken;
-// the enforcer keeps serving the instance and the others.
+// TestResizedProcFile: a process that grows or shrinks its own proc file
+// (its descriptor is writable) gets the file's size restored: a grown file
+// at once, through inotify, so the node's /run memory is not taken; a
+// shrunk one the same way, or, if the enforcer touched it first, through
+// the fault guard, which also releases that instance. Either way the
+// enforcer keeps serving the others.
 func TestResizedProcFile(t *testing.T) {
 	env := newEnv(t, nil)
 	var logs syncBuffer
@@ -531,23 +532,33 @@ func TestResizedProcFile(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer res.Close()
-	for _, size := range []int64{0, 64 << 20, 100} {
-		if err := res.Own.Truncate(size); err != nil {
-			t.Fatal(err)
-		}
-		eventually(t, 5*time.Second, fmt.Sprintf("the size restored after a resize to %d", size), func() bool {
+	restored := func(what string) {
+		t.Helper()
+		eventually(t, 5*time.Second, "the size restored after "+what, func() bool {
 			st, err := res.Own.Stat()
 			return err == nil && st.Size() == region.ProcFileSize
 		})
-		if _, err := c.Stats(ctx); err != nil { // touches every region
-			t.Fatal(err)
-		}
 	}
+	if err := res.Own.Truncate(64 << 20); err != nil {
+		t.Fatal(err)
+	}
+	restored("growing it to 64 MiB")
 	if l, err := c.List(ctx); err != nil || len(l) != 2 {
-		t.Fatalf("instances after the resizes: %+v, %v", l, err)
+		t.Fatalf("instances after the growth: %+v, %v", l, err)
 	}
-	if n := strings.Count(logs.String(), "resized its proc file"); n < 1 || !strings.Contains(logs.String(), "instance=mgpu0inst0") {
-		t.Fatalf("%d warnings naming the instance:\n%s", n, logs.String())
+	if !strings.Contains(logs.String(), "resized its proc file") || !strings.Contains(logs.String(), "instance=mgpu0inst0") {
+		t.Fatalf("no warning naming the instance:\n%s", logs.String())
+	}
+	if err := res.Own.Truncate(100); err != nil {
+		t.Fatal(err)
+	}
+	restored("shrinking it to 100 bytes")
+	if _, err := c.Stats(ctx); err != nil { // touches every region
+		t.Fatal(err)
+	}
+	l, err := c.List(ctx)
+	if err != nil || len(l) == 0 || l[len(l)-1].Name != "mgpu0inst1" {
+		t.Fatalf("the other instance after the shrink: %+v, %v", l, err)
 	}
 }
 
