@@ -239,12 +239,10 @@ func under(p, base string) bool {
 	return len(p) > len(base) && p[:len(base)] == base && p[len(base)] == '/' && base != "/"
 }
 
-// attach maps a peer to its instance and gives it a slot. On success it
-// returns the descriptors the reply carries (region.TenantFDs; the caller
-// closes them), opened under the lock, so that a concurrent release cannot
-// make the reply carry another instance's files.
-func (e *Enforcer) attach(pid, pidfd int) (attach.Response, []int, *instance, int) {
-	resp := attach.Response{DeviceIndex: uint32(e.index)} //nolint:gosec // small
+// inspectCaller reads what /proc says of a caller that is still alive; when
+// it cannot, ok is false and resp is the refusal to send.
+func (e *Enforcer) inspectCaller(pid, pidfd int) (resp attach.Response, info peerInfo, ok bool) {
+	resp = attach.Response{DeviceIndex: uint32(e.index)} //nolint:gosec // small
 	info, err := e.inspect(pid)
 	if err == nil && exited(pidfd) {
 		err = os.ErrProcessDone
@@ -252,6 +250,18 @@ func (e *Enforcer) attach(pid, pidfd int) (attach.Response, []int, *instance, in
 	if err != nil {
 		resp.Status = attach.Internal
 		resp.Message = fmt.Sprintf("mgpu: cannot inspect pid %d: %v", pid, err)
+		return resp, info, false
+	}
+	return resp, info, true
+}
+
+// attach maps a peer to its instance and gives it a slot. On success it
+// returns the descriptors the reply carries (region.TenantFDs; the caller
+// closes them), opened under the lock, so that a concurrent release cannot
+// make the reply carry another instance's files.
+func (e *Enforcer) attach(pid, pidfd int) (attach.Response, []int, *instance, int) {
+	resp, info, ok := e.inspectCaller(pid, pidfd)
+	if !ok {
 		return resp, nil, nil, 0
 	}
 	e.mu.Lock()
@@ -336,14 +346,8 @@ func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerI
 // peers answers an attached process's request for the read-only proc files
 // of the other attached processes of its instance.
 func (e *Enforcer) peers(pid, pidfd int) (attach.Response, []int) {
-	resp := attach.Response{DeviceIndex: uint32(e.index)} //nolint:gosec // small
-	info, err := e.inspect(pid)
-	if err == nil && exited(pidfd) {
-		err = os.ErrProcessDone
-	}
-	if err != nil {
-		resp.Status = attach.Internal
-		resp.Message = fmt.Sprintf("mgpu: cannot inspect pid %d: %v", pid, err)
+	resp, info, ok := e.inspectCaller(pid, pidfd)
+	if !ok {
 		return resp, nil
 	}
 	e.mu.Lock()

@@ -1,13 +1,10 @@
 package enforcer
 
 import (
-	"bytes"
-	"log/slog"
 	"math"
 	"math/rand/v2"
 	"os"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -69,10 +66,10 @@ func TestSaneCounters(t *testing.T) {
 			var c counts
 			for i, step := range tc.steps {
 				step(p)
-				var why string
+				var why oddity
 				c, why = s.read(p, time.Second+time.Duration(i)*10*ms, qcap)
-				if why != "" {
-					whys = append(whys, why)
+				if why != 0 {
+					whys = append(whys, why.String())
 				}
 				if c.gpu > satCap || c.launches > satCap || c.queued > qcap {
 					t.Fatalf("read %d: out of bounds %+v", i, c)
@@ -123,31 +120,12 @@ func FuzzSaneCounters(f *testing.F) {
 	})
 }
 
-// syncBuffer is a log destination several goroutines write to.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // TestNonsenseCounters: a process that writes garbage into its own slot
 // leaves the enforcer serving, its neighbour's grant working and the
 // instance totals bounded; the enforcer says so once, naming the instance.
 func TestNonsenseCounters(t *testing.T) {
 	env := newEnv(t, nil)
-	var logs syncBuffer
-	env.start(t, WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+	logs := env.startLogged(t)
 	c := env.client()
 	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
 		t.Fatal(err)
@@ -218,7 +196,8 @@ func TestSaneLaunchesTakenBack(t *testing.T) {
 	s := sane{}
 	for i, v := range []uint64{2000, 1998, 2001, 2001 - launchTakeBack - 1} {
 		p.Launches.Store(v)
-		c, why := s.read(p, time.Second+time.Duration(i)*time.Millisecond, 1e6)
+		c, odd := s.read(p, time.Second+time.Duration(i)*time.Millisecond, 1e6)
+		why := odd.String()
 		switch {
 		case i < 3 && (why != "" || c.launches != v):
 			t.Fatalf("read %d: launches %d (%q), want %d", i, c.launches, why, v)

@@ -2,7 +2,6 @@ package enforcer
 
 import (
 	"bytes"
-	"log/slog"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -42,8 +41,7 @@ func fakeDriver(pid *atomic.Int64, used uint64) *mock.Interface {
 func TestBackstopKillsOverQuota(t *testing.T) {
 	env := newEnv(t, func(s string) string { return s + "\n[backstop]\ninterval = \"50ms\"\n" })
 	var pid atomic.Int64
-	var logs syncBuffer
-	env.start(t, WithNVML(fakeDriver(&pid, 2<<30)), WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+	logs := env.startLogged(t, WithNVML(fakeDriver(&pid, 2<<30)))
 	sl := startSleeper(t, nil)
 	if _, err := env.client().Create(ctx, tree(sl.Process.Pid, 10, 1024)); err != nil {
 		t.Fatal(err)
@@ -70,8 +68,7 @@ func TestBackstopKillsOverQuota(t *testing.T) {
 func TestBackstopLeavesOthersAlone(t *testing.T) {
 	env := newEnv(t, func(s string) string { return s + "\n[backstop]\ninterval = \"50ms\"\n" })
 	var pid atomic.Int64
-	var logs syncBuffer
-	env.start(t, WithNVML(fakeDriver(&pid, 2<<30)), WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+	logs := env.startLogged(t, WithNVML(fakeDriver(&pid, 2<<30)))
 	sl := startSleeper(t, nil)
 	pid.Store(int64(sl.Process.Pid))
 	eventually(t, 10*time.Second, "the unattributed process logged", func() bool {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"io"
-	"log/slog"
 	"net"
 	"os"
 	"os/exec"
@@ -517,8 +516,7 @@ func TestContainerByCgroup(t *testing.T) {
 // enforcer keeps serving the others.
 func TestResizedProcFile(t *testing.T) {
 	env := newEnv(t, nil)
-	var logs syncBuffer
-	env.start(t, WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+	logs := env.startLogged(t)
 	c := env.client()
 	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
 		t.Fatal(err)

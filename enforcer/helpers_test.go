@@ -2,6 +2,7 @@ package enforcer
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -13,6 +14,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -320,4 +322,30 @@ func rawRequest(t testing.TB, env *testEnv, method, path, body string) (int, str
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return resp.StatusCode, string(b)
+}
+
+// syncBuffer is a log destination several goroutines write to.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// startLogged is start with the enforcer's log (Info and above) captured.
+func (env *testEnv) startLogged(t testing.TB, opts ...Option) *syncBuffer {
+	t.Helper()
+	logs := &syncBuffer{}
+	env.start(t, append(opts, WithLogger(slog.New(slog.NewTextHandler(logs, nil))))...)
+	return logs
 }

@@ -591,17 +591,6 @@ func TestExecJoinsInstance(t *testing.T) {
 // unless MGPU_STRICT_SHARES=0 asks for a regression guard (test/shares).
 var epsilon = tol.Tolerance()
 
-// window is how long shares are measured (MGPU_SHARE_WINDOW, seconds;
-// default 10, as the acceptance criteria say).
-func window() time.Duration {
-	if s := os.Getenv("MGPU_SHARE_WINDOW"); s != "" {
-		if v, err := strconv.ParseFloat(s, 64); err == nil && v > 0 {
-			return time.Duration(v * float64(time.Second))
-		}
-	}
-	return 10 * time.Second
-}
-
 // load is one container of a share measurement.
 type load struct {
 	core     string
@@ -724,7 +713,7 @@ func within(t *testing.T, what string, got, want float64) {
 // measured from the device's own busy time per container (pid namespace)
 // over the window.
 func TestShares(t *testing.T) {
-	win, warm := window(), time.Second
+	win, warm := tol.Window(), time.Second
 	secs := (warm + win + 10*time.Second).Seconds()
 	// The idle 70 of guaranteed-burst-share resumes after the window.
 	idleMs := strconv.Itoa(int((warm + win + 2*time.Second) / time.Millisecond))
@@ -799,7 +788,7 @@ func TestShares(t *testing.T) {
 func TestEnforcerRestart(t *testing.T) {
 	e := setup(t, NodeOptions{}, useCtr)
 	eng, ctx := e.ctr, context.Background()
-	win := window()
+	win := tol.Window()
 	secs := strconv.FormatFloat((2*win + 30*time.Second).Seconds(), 'f', 1, 64)
 	var rs []running
 	for _, core := range []string{"30", "70"} {

@@ -143,7 +143,7 @@ func within(t *testing.T, what string, got, want float64) {
 }
 
 func TestFixedShare(t *testing.T) {
-	win := window()
+	win := tol.Window()
 	for _, tc := range []struct {
 		name  string
 		loads []load
@@ -177,7 +177,7 @@ func TestFixedShare(t *testing.T) {
 func TestFixedShareASan(t *testing.T) {
 	nc := harness.NodeConfig{Policies: map[int]policy.Policy{0: policy.FixedShare}, ASan: true}
 	loads := []load{{30, saturating("launch", 200, 16, "--streams", "2", "--threads", "2")}, {70, saturating("launch", 100, 64, "--threads", "2")}}
-	shares := measureSharesOn(t, nc, loads, time.Second, window())
+	shares := measureSharesOn(t, nc, loads, time.Second, tol.Window())
 	for i, l := range loads {
 		within(t, fmt.Sprintf("instance %d (core %d, ASan shim)", i, l.core), shares[i], float64(l.core))
 	}
@@ -188,7 +188,7 @@ func TestFixedShareLoneInstanceCapped(t *testing.T) {
 }
 
 func testFixedShareLoneInstanceCapped(t *testing.T, model string) {
-	shares := measureSharesOn(t, onModel(policy.FixedShare, model), []load{{30, saturating("launch", 100, 64)}}, time.Second, window())
+	shares := measureSharesOn(t, onModel(policy.FixedShare, model), []load{{30, saturating("launch", 100, 64)}}, time.Second, tol.Window())
 	if shares[0] > 30+epsilon {
 		t.Errorf("a lone 30%% instance used %.2f%% of an otherwise idle GPU, want <= %.0f", shares[0], 30+epsilon)
 	}
@@ -199,7 +199,7 @@ func testFixedShareLoneInstanceCapped(t *testing.T, model string) {
 
 func TestNativeBurstShare(t *testing.T) {
 	forEachModel(t, func(t *testing.T, model string) {
-		shares, dev := measureSharesDev(t, onModel(policy.NativeBurstShare, model), []load{{1, saturating("launch", 100, 64)}, {3, saturating("launch", 100, 64)}}, time.Second, window())
+		shares, dev := measureSharesDev(t, onModel(policy.NativeBurstShare, model), []load{{1, saturating("launch", 100, 64)}, {3, saturating("launch", 100, 64)}}, time.Second, tol.Window())
 		within(t, "weight 1", shares[0], 25)
 		within(t, "weight 3", shares[1], 75)
 		busyAtLeast(t, dev, 97)

@@ -5,9 +5,7 @@ package process
 
 import (
 	"os"
-	"strconv"
 	"testing"
-	"time"
 
 	"github.com/mgpu-dev/mgpu/test/harness"
 )
@@ -34,15 +32,4 @@ func newNode(t *testing.T, nc harness.NodeConfig) *harness.Node {
 		}
 	}
 	return n
-}
-
-// window is how long shares are measured (MGPU_SHARE_WINDOW, seconds;
-// default 10 as the acceptance criteria say).
-func window() time.Duration {
-	if s := os.Getenv("MGPU_SHARE_WINDOW"); s != "" {
-		if v, err := strconv.ParseFloat(s, 64); err == nil && v > 0 {
-			return time.Duration(v * float64(time.Second))
-		}
-	}
-	return 10 * time.Second
 }

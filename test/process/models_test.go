@@ -8,6 +8,7 @@ import (
 
 	"github.com/mgpu-dev/mgpu/internal/policy"
 	"github.com/mgpu-dev/mgpu/test/harness"
+	tol "github.com/mgpu-dev/mgpu/test/shares"
 )
 
 // allModels are the simulated GPU's device models the share suite runs
@@ -49,7 +50,7 @@ func onModel(p policy.Policy, model string) harness.NodeConfig {
 // several kernels. Each instance within ±2 points over the window (the
 // nearEdge cases: the regression tolerance).
 func TestFixedShareUnderDeviceModels(t *testing.T) {
-	win := window()
+	win := tol.Window()
 	resolve := func(how string, args []string) []string { return append([]string{"--resolve", how}, args...) }
 	cases := []struct {
 		name  string
@@ -89,7 +90,7 @@ func TestFixedShareUnderDeviceModels(t *testing.T) {
 func TestGuaranteedBurstBothBusy(t *testing.T) {
 	loads := []load{{30, saturating("launch", 500, 8)}, {70, saturating("graph", 400, 2, "--graph-nodes", "10")}}
 	forEachModel(t, func(t *testing.T, model string) {
-		shares, dev := measureSharesDev(t, onModel(policy.GuaranteedBurstShare, model), loads, time.Second, window())
+		shares, dev := measureSharesDev(t, onModel(policy.GuaranteedBurstShare, model), loads, time.Second, tol.Window())
 		within(t, "core 30", shares[0], 30)
 		within(t, "core 70", shares[1], 70)
 		busyAtLeast(t, dev, 97)

@@ -8,7 +8,11 @@
 // tests always log what they measured.
 package shares
 
-import "os"
+import (
+	"os"
+	"strconv"
+	"time"
+)
 
 // Normative is ε, in percentage points.
 const Normative = 2.0
@@ -27,4 +31,15 @@ func Tolerance() float64 {
 		return Normative
 	}
 	return Regression
+}
+
+// Window is how long shares are measured: MGPU_SHARE_WINDOW seconds,
+// default 10 as the normative semantics say ("any 10 s window").
+func Window() time.Duration {
+	if s := os.Getenv("MGPU_SHARE_WINDOW"); s != "" {
+		if v, err := strconv.ParseFloat(s, 64); err == nil && v > 0 {
+			return time.Duration(v * float64(time.Second))
+		}
+	}
+	return 10 * time.Second
 }
