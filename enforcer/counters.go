@@ -2,6 +2,7 @@ package enforcer
 
 import (
 	"math"
+	"strings"
 	"time"
 
 	"github.com/mgpu-dev/mgpu/enforcer/region"
@@ -56,9 +57,10 @@ type counts struct {
 
 // read takes a slot's counters at now (the tick's clock), bounded by
 // maxQueued (the most GPU time one process may report queued). It returns
-// the accepted values and, when something was out of range, why.
-func (s *sane) read(p region.Proc, now time.Duration, maxQueued uint64) (counts, string) {
-	why := ""
+// the accepted values and what was out of range (nothing is built on
+// this path: a slot that lies at every tick must not make ticks allocate).
+func (s *sane) read(p region.Proc, now time.Duration, maxQueued uint64) (counts, oddity) {
+	var why oddity
 	if !s.started {
 		s.started, s.since = true, now
 		if s.trusted {
@@ -70,42 +72,80 @@ func (s *sane) read(p region.Proc, now time.Duration, maxQueued uint64) (counts,
 		s.last = now
 	}
 	life := uint64(max(s.last-s.since, 0)) //nolint:gosec // non-negative
-	s.gpu, s.rawGPU = accept(s.gpu, s.rawGPU, p.GPUNs.Load(), sat(gpuRate*life, gpuSlack), "gpu_ns", &why)
+	s.gpu, s.rawGPU = accept(s.gpu, s.rawGPU, p.GPUNs.Load(), sat(gpuRate*life, gpuSlack), gpuBack, &why)
 	rawL := p.Launches.Load()
 	if rawL < s.rawLaunches && s.rawLaunches-rawL <= launchTakeBack {
 		s.launches -= min(s.launches, s.rawLaunches-rawL) // launches taken back
 		s.rawLaunches = rawL
 	}
-	s.launches, s.rawLaunches = accept(s.launches, s.rawLaunches, rawL, sat(life/launchPerNs, launchSlack), "launches", &why)
-	s.throttled, s.rawThrottled = accept(s.throttled, s.rawThrottled, p.ThrottledNs.Load(), sat(throttleRate*min(life, satCap/throttleRate), gpuSlack), "throttled_ns", &why)
+	s.launches, s.rawLaunches = accept(s.launches, s.rawLaunches, rawL, sat(life/launchPerNs, launchSlack), launchesBack, &why)
+	s.throttled, s.rawThrottled = accept(s.throttled, s.rawThrottled, p.ThrottledNs.Load(), sat(throttleRate*min(life, satCap/throttleRate), gpuSlack), throttledBack, &why)
 	c := counts{gpu: s.total(), launches: s.launches0 + s.launches, throttled: s.throttled0 + s.throttled}
 	c.queued = p.QueuedNs.Load()
 	if c.queued > maxQueued {
-		c.queued, why = maxQueued, join(why, "queued_ns out of range")
+		c.queued, why = maxQueued, why|queuedRange
 	}
 	c.mem = p.MemReserved.Load()
 	if c.mem > satCap {
-		c.mem, why = satCap, join(why, "mem_reserved out of range")
+		c.mem, why = satCap, why|memRange
 	}
 	w := p.Waiting.Load()
 	if w > maxWaiting {
-		why = join(why, "waiting out of range")
+		why |= waitingRange
 	}
 	c.waiting = w > 0
 	return c, why
 }
 
+// oddity says what a reading found out of range.
+type oddity uint16
+
+// Oddities; a cumulative counter's "went backwards" bit, shifted left once,
+// is its "grew too fast" bit.
+const (
+	gpuBack oddity = 1 << iota
+	gpuFast
+	launchesBack
+	launchesFast
+	throttledBack
+	throttledFast
+	queuedRange
+	memRange
+	waitingRange
+)
+
+var oddityText = [...]string{
+	"gpu_ns went backwards", "gpu_ns grew faster than wall time allows",
+	"launches went backwards", "launches grew faster than wall time allows",
+	"throttled_ns went backwards", "throttled_ns grew faster than wall time allows",
+	"queued_ns out of range", "mem_reserved out of range", "waiting out of range",
+}
+
+func (o oddity) String() string {
+	var b strings.Builder
+	for i, t := range oddityText {
+		if o&(1<<i) != 0 {
+			if b.Len() > 0 {
+				b.WriteString("; ")
+			}
+			b.WriteString(t)
+		}
+	}
+	return b.String()
+}
+
 // accept adds the growth of a cumulative counter from prev to raw to total,
 // up to limit for the total; a counter that went backwards is re-baselined
-// (nothing added). It returns the new total and the new baseline.
-func accept(total, prev, raw, limit uint64, name string, why *string) (uint64, uint64) {
+// (nothing added). back is the counter's "went backwards" oddity. It
+// returns the new total and the new baseline.
+func accept(total, prev, raw, limit uint64, back oddity, why *oddity) (uint64, uint64) {
 	if raw < prev {
-		*why = join(*why, name+" went backwards")
+		*why |= back
 		return total, raw
 	}
 	d := raw - prev
 	if room := limit - min(total, limit); d > room {
-		*why = join(*why, name+" grew faster than wall time allows")
+		*why |= back << 1
 		d = room
 	}
 	return total + d, raw
@@ -117,13 +157,6 @@ func sat(a, b uint64) uint64 {
 		return satCap
 	}
 	return a + b
-}
-
-func join(a, b string) string {
-	if a == "" {
-		return b
-	}
-	return a + "; " + b
 }
 
 // queueCap is the most GPU time one process may report queued: its queue

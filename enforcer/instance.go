@@ -112,10 +112,10 @@ func (e *Enforcer) readSlot(in *instance, i int, now time.Duration) counts {
 	s := &in.sane[i]
 	p := in.reg.Proc(i)
 	c, why := s.read(p, now, in.qcap)
-	if why != "" && !s.bad {
+	if why != 0 && !s.bad {
 		s.bad = true
 		e.o.log.Warn("a process of the instance reports counters out of range; the enforcer ignores what is out of range",
-			"instance", in.name, "container", in.containerID, "pid", p.PID.Load(), "slot", i, "why", why)
+			"instance", in.name, "container", in.containerID, "pid", p.PID.Load(), "slot", i, "why", why.String())
 	}
 	return c
 }
