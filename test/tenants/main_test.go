@@ -168,26 +168,24 @@ func self(role string) []string {
 	return []string{"/usr/bin/env", envRole + "=" + role, os.Args[0]}
 }
 
-// window is how long shares are measured (MGPU_SHARE_WINDOW, seconds;
-// default 10 as the normative semantics say).
-func window() time.Duration {
-	if s := os.Getenv("MGPU_SHARE_WINDOW"); s != "" {
-		if v, err := strconv.ParseFloat(s, 64); err == nil && v > 0 {
-			return time.Duration(v * float64(time.Second))
-		}
-	}
-	return 10 * time.Second
-}
-
 // saturating is mgpu-workload's compute command, flat out, for secs.
 func saturating(secs float64) []string {
 	return []string{"compute", "--api", "launch", "--kernel-us", "200", "--depth", "16", "--seconds", fmt.Sprintf("%.1f", secs)}
 }
 
-// shares measures, over win after warm, the share of device 0 (percent)
-// each process achieves.
-func shares(t *testing.T, n *harness.Node, procs []harness.Proc, warm, win time.Duration) []float64 {
+// saturatedShares starts a saturating workload in each shell and returns
+// the share of device 0 (percent) each achieves over the share window,
+// after a second of settling.
+func saturatedShares(t *testing.T, n *harness.Node, shells ...*harness.Shell) []float64 {
 	t.Helper()
+	warm, win := time.Second, tol.Window()
+	procs := make([]harness.Proc, len(shells))
+	for i, sh := range shells {
+		var err error
+		if procs[i], err = sh.Spawn(saturating((win + 10*time.Second).Seconds())...); err != nil {
+			t.Fatal(err)
+		}
+	}
 	for _, p := range procs {
 		if err := p.WaitOutput("start", 15*time.Second); err != nil {
 			t.Fatal(err)
