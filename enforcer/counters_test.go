@@ -188,6 +188,40 @@ func TestNonsenseCounters(t *testing.T) {
 	eventually(t, 5*time.Second, "the neighbour's grant", func() bool { return nb.L().Grant.Load() != 0 })
 }
 
+// TestUnheldQueuedIsNoWork: a process reporting queued work while its
+// instance never held the grant has submitted nothing (the shim submits only
+// under the grant), so another instance's batches are not marked as shared
+// with it (Contended stays 0), or the neighbour would be timed by its clean
+// estimate and run over its share.
+func TestUnheldQueuedIsNoWork(t *testing.T) {
+	env := newEnv(t, nil)
+	env.start(t)
+	c := env.client()
+	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
+		t.Fatal(err)
+	}
+	res, err := attach.Dial(api.ClientSocket(env.runDir()), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, p := mapAttach(t, res)
+	p.QueuedNs.Store(uint64(time.Millisecond)) // in range, never waited for a grant
+	h := startHelper(t, api.ClientSocket(env.runDir()), nil)
+	if _, err := c.Create(ctx, tree(h.cmd.Process.Pid, 30, 10)); err != nil {
+		t.Fatal(err)
+	}
+	if line := h.attach(t); line != "ok slot=0 instance=1" {
+		t.Fatalf("helper: %s", line)
+	}
+	nb := openRegion(t, env.runDir()+"/regions/mgpu0inst1")
+	nb.Proc(0).Waiting.Store(1)
+	eventually(t, 5*time.Second, "the neighbour's grant", func() bool { return nb.L().Grant.Load() != 0 })
+	// Contended is written before the grant, in the same tick.
+	if v := nb.L().Contended.Load(); v != 0 {
+		t.Fatalf("the holder's contended word is %d beside an instance that never held the grant", v)
+	}
+}
+
 // TestSaneLaunchesTakenBack: the shim takes back a launch's count when the
 // grant went while it waited; that is not a counter going backwards.
 func TestSaneLaunchesTakenBack(t *testing.T) {

@@ -53,6 +53,14 @@ type instance struct {
 
 	lastGPU      uint64
 	lastLaunches uint64
+
+	// Queued work is believed only of an instance that could have
+	// submitted it: the grant holder, or a recent one whose tail may still
+	// run (tailWindow). held says it has held the grant; heldAt is the last
+	// tick it held it at and heldQueued what it reported queued then.
+	held       bool
+	heldAt     time.Duration
+	heldQueued uint64
 }
 
 // watchRef says what a watched pidfd stands for.

@@ -119,6 +119,28 @@ func (e *Enforcer) tick() (at time.Duration, active bool) {
 	return e.tickAt(monotonic())
 }
 
+// mayHaveQueued says whether in may still have work on the device at now:
+// the shim submits only under the grant, so an instance that never held it,
+// or whose last hold ended longer ago than its tail could take to run, has
+// nothing queued whatever its slots report. What it reports is then not
+// taken as work on the device: it would mark every other instance's
+// batches as shared with foreign work (timed by the clean estimate) and
+// hold hand-offs for a tail that does not exist.
+func (e *Enforcer) mayHaveQueued(in *instance, now time.Duration) bool {
+	if !in.held {
+		return false
+	}
+	return now-in.heldAt <= tailWindow(in.heldQueued, e.settings.Period())
+}
+
+// tailWindow is how long after its last hold an instance's queued work
+// (queued, reported then) may still run: four times its length (it may
+// alternate with other contexts' work on a device that time-slices) plus a
+// period.
+func tailWindow(queued uint64, period time.Duration) time.Duration {
+	return clampDuration(sat(4*min(queued, satCap/4), uint64(period))) //nolint:gosec // positive
+}
+
 // tickAt runs one arbitration step at now. It does not allocate: usage
 // entries are overwritten in place (when they changed) and only slots in
 // use are read.
@@ -155,6 +177,9 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 				u.Waiting = u.Waiting || c.waiting
 			}
 		}
+		if queued > 0 && !e.mayHaveQueued(in, now) {
+			queued = 0
+		}
 		u.GPUTime = clampDuration(gpu) // accepted ns since the instance began
 		u.Queued = clampDuration(queued)
 		u.Launches = launches
@@ -179,11 +204,12 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 	for _, in := range e.list {
 		var v uint32
 		self := 0
+		queued := e.usage[in.id].Queued
 		if isGranted(granted, in.id) {
 			v = 1
 			active = true
+			in.held, in.heldAt, in.heldQueued = true, now, uint64(queued) //nolint:gosec // non-negative
 		}
-		queued := e.usage[in.id].Queued
 		if v == 1 || queued > 0 {
 			self = 1
 		}
