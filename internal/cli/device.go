@@ -165,12 +165,7 @@ func openDevices(c *cli.Context) (*config.Config, []device.Info, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	b, err := device.Open(cfg)
-	if err != nil {
-		return nil, nil, err
-	}
-	defer func() { _ = b.Close() }()
-	devs, err := b.Devices()
+	devs, err := device.List(cfg)
 	if err != nil {
 		return nil, nil, err
 	}

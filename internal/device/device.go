@@ -70,6 +70,17 @@ func Open(cfg *config.Config) (Backend, error) {
 	}
 }
 
+// List opens the backend cfg selects, lists its GPUs (ordered by index)
+// and closes the backend.
+func List(cfg *config.Config) ([]Info, error) {
+	b, err := Open(cfg)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = b.Close() }()
+	return b.Devices()
+}
+
 // Find returns the device with the given index.
 func Find(devs []Info, index int) (Info, error) {
 	for _, d := range devs {
