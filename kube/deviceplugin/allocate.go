@@ -1,0 +1,266 @@
+package deviceplugin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+
+	"github.com/mgpu-dev/mgpu/hook"
+	"github.com/mgpu-dev/mgpu/kube/placement"
+)
+
+// errPrefix starts every error the kubelet shows a user.
+const errPrefix = "mgpu-core: "
+
+func invalid(format string, a ...any) error {
+	return status.Error(codes.InvalidArgument, errPrefix+fmt.Sprintf(format, a...))
+}
+
+// placeError turns an error of package placement into a gRPC error.
+func placeError(err error) error {
+	var nf *placement.NoFitError
+	if errors.As(err, &nf) {
+		return status.Error(codes.ResourceExhausted, errPrefix+err.Error())
+	}
+	return status.Error(codes.InvalidArgument, errPrefix+err.Error())
+}
+
+// parseIDs parses ids and groups them by GPU (k ascending). Unknown GPUs,
+// malformed and repeated IDs are errors.
+func (p *Plugin) parseIDs(ids []string) (map[int][]ID, error) {
+	by := map[int][]ID{}
+	seen := map[ID]bool{}
+	for _, s := range ids {
+		id, err := ParseID(s)
+		if err != nil {
+			return nil, invalid("%v", err)
+		}
+		if !p.hasGPU(id.GPU) {
+			return nil, invalid("device ID %q: the node has no GPU %d", s, id.GPU)
+		}
+		if seen[id] {
+			return nil, invalid("device ID %q given twice", s)
+		}
+		seen[id] = true
+		by[id.GPU] = append(by[id.GPU], id)
+	}
+	for _, l := range by {
+		slices.SortFunc(l, compareIDs)
+	}
+	return by, nil
+}
+
+// gpuList writes GPU indexes for a message: "0", "0 and 1", "0, 1 and 2".
+func gpuList(gpus []int) string {
+	s := make([]string, len(gpus))
+	for i, g := range gpus {
+		s[i] = strconv.Itoa(g)
+	}
+	if len(s) < 2 {
+		return strings.Join(s, "")
+	}
+	return strings.Join(s[:len(s)-1], ", ") + " and " + s[len(s)-1]
+}
+
+// countList writes how many IDs of each GPU: "100 IDs of GPU 0 and 50 of GPU 1".
+func countList(by map[int][]ID) string {
+	gpus := slices.Sorted(maps.Keys(by))
+	s := make([]string, len(gpus))
+	for i, g := range gpus {
+		if i == 0 {
+			s[i] = fmt.Sprintf("%d IDs of GPU %d", len(by[g]), g)
+		} else {
+			s[i] = fmt.Sprintf("%d of GPU %d", len(by[g]), g)
+		}
+	}
+	if len(s) < 2 {
+		return strings.Join(s, "")
+	}
+	return strings.Join(s[:len(s)-1], ", ") + " and " + s[len(s)-1]
+}
+
+// GetPreferredAllocation implements DevicePluginServer. For each container
+// it groups the available IDs by GPU, takes a GPU's count of available IDs
+// as its free core, and lets placement choose with the plugin's policy.
+// The request's memory is not known here (the kubelet tells only the
+// mgpu-core count), so only core is considered (placement.PlaceCore).
+func (p *Plugin) GetPreferredAllocation(_ context.Context, r *pluginapi.PreferredAllocationRequest) (*pluginapi.PreferredAllocationResponse, error) {
+	out := &pluginapi.PreferredAllocationResponse{}
+	for _, cr := range r.GetContainerRequests() {
+		ids, err := p.preferred(cr.GetAvailableDeviceIDs(), cr.GetMustIncludeDeviceIDs(), int(cr.GetAllocationSize()))
+		if err != nil {
+			return nil, err
+		}
+		out.ContainerResponses = append(out.ContainerResponses, &pluginapi.ContainerPreferredAllocationResponse{DeviceIDs: ids})
+	}
+	return out, nil
+}
+
+// preferred chooses size IDs among available, including mustInclude.
+func (p *Plugin) preferred(available, mustInclude []string, size int) ([]string, error) {
+	if size <= 0 {
+		return nil, invalid("allocation size %d: must be at least 1", size)
+	}
+	avail, err := p.parseIDs(available)
+	if err != nil {
+		return nil, err
+	}
+	must, err := p.parseIDs(mustInclude)
+	if err != nil {
+		return nil, err
+	}
+	// The kubelet lists must-include IDs among the available ones; take
+	// them as available whether it does or not.
+	for g, ids := range must {
+		for _, id := range ids {
+			if !slices.Contains(avail[g], id) {
+				avail[g] = append(avail[g], id)
+			}
+		}
+		slices.SortFunc(avail[g], compareIDs)
+	}
+	nMust := 0
+	for _, ids := range must {
+		nMust += len(ids)
+	}
+	if nMust > size {
+		return nil, invalid("%d must-include IDs for an allocation of %d", nMust, size)
+	}
+	cards := func(skip map[int][]ID) []placement.Card {
+		var cs []placement.Card
+		for g, ids := range avail {
+			if _, ok := skip[g]; ok {
+				continue
+			}
+			c := placement.Card{Index: g, CoreFree: len(ids)}
+			if len(ids) < IDsPerGPU {
+				c.Instances = 1 // some of its IDs are taken
+			}
+			cs = append(cs, c)
+		}
+		return cs
+	}
+	mustGPUs := slices.Sorted(maps.Keys(must))
+
+	if size < IDsPerGPU {
+		var gpu int
+		switch {
+		case len(mustGPUs) > 1:
+			return nil, invalid("a request under %d must come from one GPU; must-include IDs are of GPUs %s", IDsPerGPU, gpuList(mustGPUs))
+		case len(mustGPUs) == 1:
+			gpu = mustGPUs[0]
+			if len(avail[gpu]) < size {
+				return nil, invalid("GPU %d has %d IDs available, %d asked for (with must-include IDs of it)", gpu, len(avail[gpu]), size)
+			}
+		default:
+			chosen, err := placement.PlaceCore(cards(nil), size, p.policy)
+			if err != nil {
+				return nil, placeError(err)
+			}
+			gpu = chosen[0]
+		}
+		ids := slices.Clone(must[gpu])
+		for _, id := range avail[gpu] {
+			if len(ids) == size {
+				break
+			}
+			if !slices.Contains(ids, id) {
+				ids = append(ids, id)
+			}
+		}
+		return idStrings(ids), nil
+	}
+
+	// Whole GPUs: the must-include IDs' GPUs, then the placement's.
+	if size%IDsPerGPU != 0 {
+		return nil, invalid("%d IDs: above %d a request must be a multiple of %d (whole GPUs)", size, IDsPerGPU, IDsPerGPU)
+	}
+	k := size / IDsPerGPU
+	if len(mustGPUs) > k {
+		return nil, invalid("must-include IDs of GPUs %s for %d whole GPUs", gpuList(mustGPUs), k)
+	}
+	for _, g := range mustGPUs {
+		if len(avail[g]) < IDsPerGPU {
+			return nil, invalid("must-include IDs of GPU %d, which has only %d of %d IDs available for a whole-GPU request", g, len(avail[g]), IDsPerGPU)
+		}
+	}
+	gpus := slices.Clone(mustGPUs)
+	if rest := k - len(mustGPUs); rest > 0 {
+		chosen, err := placement.PlaceCore(cards(must), rest*IDsPerGPU, p.policy)
+		if err != nil {
+			return nil, placeError(err)
+		}
+		gpus = append(gpus, chosen...)
+	}
+	slices.Sort(gpus)
+	var ids []ID
+	for _, g := range gpus {
+		ids = append(ids, gpuIDs(g)...)
+	}
+	return idStrings(ids), nil
+}
+
+func idStrings(ids []ID) []string {
+	slices.SortFunc(ids, compareIDs)
+	out := make([]string, len(ids))
+	for i, id := range ids {
+		out[i] = id.String()
+	}
+	return out
+}
+
+// Allocate implements DevicePluginServer. The kubelet checkpoints the
+// answer and replays it on restarts without asking again, so it is made
+// from the IDs alone: fewer than 100 IDs of one GPU are a share of that
+// GPU, whole sets of 100 are whole GPUs. Each GPU is named as its CDI
+// device (kind=index) and MGPU_CORE carries the share's core.
+func (p *Plugin) Allocate(_ context.Context, r *pluginapi.AllocateRequest) (*pluginapi.AllocateResponse, error) {
+	out := &pluginapi.AllocateResponse{}
+	for _, cr := range r.GetContainerRequests() {
+		resp, err := p.allocate(cr.GetDevicesIds())
+		if err != nil {
+			return nil, err
+		}
+		out.ContainerResponses = append(out.ContainerResponses, resp)
+	}
+	return out, nil
+}
+
+func (p *Plugin) allocate(ids []string) (*pluginapi.ContainerAllocateResponse, error) {
+	if len(ids) == 0 {
+		return nil, invalid("no device IDs to allocate")
+	}
+	by, err := p.parseIDs(ids)
+	if err != nil {
+		return nil, err
+	}
+	gpus := slices.Sorted(maps.Keys(by))
+	core := len(ids)
+	if len(ids) < IDsPerGPU {
+		if len(gpus) > 1 {
+			return nil, invalid("a request under %d must come from one GPU; got IDs of GPUs %s", IDsPerGPU, gpuList(gpus))
+		}
+	} else {
+		for _, g := range gpus {
+			if len(by[g]) != IDsPerGPU {
+				return nil, invalid("a request of %d must be whole GPUs (all %d IDs of each); got %s", len(ids), IDsPerGPU, countList(by))
+			}
+		}
+		core = IDsPerGPU
+	}
+	resp := &pluginapi.ContainerAllocateResponse{
+		Envs: map[string]string{hook.EnvCore: strconv.Itoa(core)},
+	}
+	for _, g := range gpus {
+		resp.CdiDevices = append(resp.CdiDevices, &pluginapi.CDIDevice{Name: fmt.Sprintf("%s=%d", p.cdiKind, g)})
+	}
+	return resp, nil
+}

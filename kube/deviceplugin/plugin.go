@@ -1,0 +1,146 @@
+// Package deviceplugin is mgpu's kubelet device plugin for the resource
+// vke.volcengine.com/mgpu-core: 100 device IDs per GPU, one per percent of
+// its time, healthy while the GPU's enforcer answers. It registers with the
+// kubelet (and again whenever the kubelet restarts), lists the IDs, prefers
+// allocations by placement policy (binpack or spread, package placement)
+// and answers Allocate with the GPU's CDI device and MGPU_CORE.
+//
+// It knows nothing of memory: vke.volcengine.com/mgpu-memory is node
+// capacity, not device IDs, and reaches the container another way.
+// docs/kubernetes.md describes the plugin as the kubelet sees it.
+package deviceplugin
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"slices"
+	"sync"
+	"time"
+
+	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+
+	"github.com/mgpu-dev/mgpu/internal/config"
+	"github.com/mgpu-dev/mgpu/kube/placement"
+)
+
+// Names the kubelet knows the plugin by.
+const (
+	// ResourceName is the extended resource the plugin serves.
+	ResourceName = "vke.volcengine.com/mgpu-core"
+	// SocketName is the plugin's socket in the device-plugin directory
+	// (the Endpoint of its registration).
+	SocketName = "mgpu-core.sock"
+	// KubeletSocketName is the kubelet's registration socket there.
+	KubeletSocketName = "kubelet.sock"
+	// DefaultDir is the kubelet's device-plugin directory.
+	DefaultDir = pluginapi.DevicePluginPath
+)
+
+// Defaults of the options.
+const (
+	DefaultPollInterval = 5 * time.Second
+	// cardsTimeout bounds one poll of the card source.
+	cardsTimeout = 5 * time.Second
+)
+
+// Plugin is the device plugin of one node. Create it with New, run it
+// with Run.
+type Plugin struct {
+	pluginapi.UnimplementedDevicePluginServer
+
+	gpus     []int // the node's GPU indexes, sorted
+	src      CardSource
+	dir      string
+	policy   placement.Policy
+	cdiKind  string
+	interval time.Duration
+	log      *slog.Logger
+
+	mu      sync.Mutex
+	healthy map[int]bool  // by GPU index; absent: not polled yet (healthy)
+	changed chan struct{} // closed and replaced when healthy changes
+}
+
+// Option configures a Plugin.
+type Option func(*Plugin)
+
+// WithDir sets the device-plugin directory (default DefaultDir).
+func WithDir(dir string) Option { return func(p *Plugin) { p.dir = dir } }
+
+// WithPolicy sets the placement policy of preferred allocations (default
+// placement.Binpack).
+func WithPolicy(pol placement.Policy) Option { return func(p *Plugin) { p.policy = pol } }
+
+// WithCDIKind sets the CDI kind of the devices Allocate names (default
+// config.DefaultCDIKind; the node config's cdi_kind).
+func WithCDIKind(kind string) Option { return func(p *Plugin) { p.cdiKind = kind } }
+
+// WithPollInterval sets how often the card source is asked for health
+// (default DefaultPollInterval).
+func WithPollInterval(d time.Duration) Option { return func(p *Plugin) { p.interval = d } }
+
+// WithLogger sets the logger (default slog.Default()).
+func WithLogger(l *slog.Logger) Option { return func(p *Plugin) { p.log = l } }
+
+// New returns the plugin of a node whose GPUs have the given indexes; src
+// tells which of them are healthy.
+func New(gpus []int, src CardSource, opts ...Option) (*Plugin, error) {
+	p := &Plugin{
+		gpus:     slices.Clone(gpus),
+		src:      src,
+		dir:      DefaultDir,
+		policy:   placement.Binpack,
+		cdiKind:  config.DefaultCDIKind,
+		interval: DefaultPollInterval,
+		log:      slog.Default(),
+		healthy:  map[int]bool{},
+		changed:  make(chan struct{}),
+	}
+	for _, o := range opts {
+		o(p)
+	}
+	slices.Sort(p.gpus)
+	if len(p.gpus) != len(slices.Compact(slices.Clone(p.gpus))) {
+		return nil, fmt.Errorf("GPU indexes %v: each GPU once", gpus)
+	}
+	for _, g := range p.gpus {
+		if g < 0 {
+			return nil, fmt.Errorf("GPU index %d: must be >= 0", g)
+		}
+	}
+	if p.interval <= 0 {
+		return nil, fmt.Errorf("poll interval %v: must be positive", p.interval)
+	}
+	return p, nil
+}
+
+// SocketPath is the plugin's socket.
+func (p *Plugin) SocketPath() string { return filepath.Join(p.dir, SocketName) }
+
+// KubeletSocketPath is the kubelet's registration socket.
+func (p *Plugin) KubeletSocketPath() string { return filepath.Join(p.dir, KubeletSocketName) }
+
+// hasGPU reports whether the node has GPU index.
+func (p *Plugin) hasGPU(index int) bool {
+	_, ok := slices.BinarySearch(p.gpus, index)
+	return ok
+}
+
+// options are the plugin's DevicePluginOptions, told at registration and
+// by GetDevicePluginOptions.
+func options() *pluginapi.DevicePluginOptions {
+	return &pluginapi.DevicePluginOptions{GetPreferredAllocationAvailable: true}
+}
+
+// GetDevicePluginOptions implements DevicePluginServer.
+func (p *Plugin) GetDevicePluginOptions(context.Context, *pluginapi.Empty) (*pluginapi.DevicePluginOptions, error) {
+	return options(), nil
+}
+
+// PreStartContainer implements DevicePluginServer; the plugin does not ask
+// for it (PreStartRequired is false).
+func (p *Plugin) PreStartContainer(context.Context, *pluginapi.PreStartContainerRequest) (*pluginapi.PreStartContainerResponse, error) {
+	return &pluginapi.PreStartContainerResponse{}, nil
+}
