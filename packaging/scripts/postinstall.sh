@@ -8,10 +8,13 @@
 # containers keep their quotas. Never touches an engine's configuration
 # (that is `mgpu-cli runtime configure`). Without a running systemd
 # (chroot, container, image build) it only enables the units for the next
-# boot and says so.
+# boot and says so. The kubelet device plugin is never started here: the
+# preset leaves it disabled, and one that an administrator enabled and that
+# runs is restarted with the new binary on upgrade.
 set -e
 
 units="mgpu-enforcers.service mgpu-cdi-refresh.service mgpu-cdi-refresh.path"
+plugin=mgpu-device-plugin.service
 
 first=
 case "$1" in
@@ -31,8 +34,10 @@ if [ -n "$first" ] && command -v systemctl >/dev/null 2>&1; then
 	# Enable what the preset file (/usr/lib/systemd/system-preset/90-mgpu.preset)
 	# enables, unless the administrator's presets say otherwise. This works
 	# without a running systemd too (image builds): it only makes symlinks.
+	# The preset disables the device plugin (not every GPU node is a
+	# Kubernetes node) unless an administrator's preset enables it.
 	# shellcheck disable=SC2086 # a list of unit names
-	systemctl preset $units || :
+	systemctl preset $units "$plugin" || :
 fi
 
 if [ ! -d /run/systemd/system ]; then
@@ -64,4 +69,8 @@ else
 	# Enforcers enabled one by one (systemctl enable mgpu-enforcer@N).
 	systemctl try-restart 'mgpu-enforcer@*.service' || :
 fi
+
+# The device plugin, after the enforcers it asks about GPU health: only if
+# it runs (an upgrade); a stopped or disabled one stays so.
+systemctl try-restart "$plugin" || :
 exit 0

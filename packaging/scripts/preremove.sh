@@ -2,9 +2,10 @@
 # mgpu package: before removal (deb prerm, rpm %preun).
 #   deb: remove | upgrade <new-version> | deconfigure | failed-upgrade
 #   rpm: 0 (erase) | 1 (upgrade)
-# On removal: stops and disables the units and removes the generated CDI
-# spec. On upgrade: nothing; the new package's postinst restarts the
-# enforcers, which restore their instances. /etc/mgpu/config.toml and
+# On removal: stops and disables the units (the kubelet device plugin
+# included) and removes the generated CDI spec. On upgrade: nothing; the new
+# package's postinst restarts the enforcers, which restore their instances,
+# and a running device plugin. /etc/mgpu/config.toml and
 # /var/lib/mgpu stay (a deb purge removes them).
 set -e
 
@@ -24,16 +25,17 @@ fi
 
 if [ -d /run/systemd/system ]; then
 	# Stopping mgpu-enforcers.service stops every mgpu-enforcer@N (PartOf=);
-	# the explicit stop covers enforcers started on their own.
-	systemctl disable --now mgpu-cdi-refresh.path mgpu-cdi-refresh.service mgpu-enforcers.service || :
+	# the explicit stop covers enforcers started on their own. The device
+	# plugin removes its socket from the kubelet's directory as it stops.
+	systemctl disable --now mgpu-device-plugin.service mgpu-cdi-refresh.path mgpu-cdi-refresh.service mgpu-enforcers.service || :
 	systemctl stop 'mgpu-enforcer@*.service' || :
 	systemctl disable mgpu-enforcer@.service || :
 else
 	# Offline: only the symlinks of enabled units go.
 	if command -v systemctl >/dev/null 2>&1; then
-		systemctl disable mgpu-cdi-refresh.path mgpu-cdi-refresh.service mgpu-enforcers.service mgpu-enforcer@.service || :
+		systemctl disable mgpu-device-plugin.service mgpu-cdi-refresh.path mgpu-cdi-refresh.service mgpu-enforcers.service mgpu-enforcer@.service || :
 	fi
-	echo "mgpu: systemd is not running here; stop any mgpu-enforcer you started yourself."
+	echo "mgpu: systemd is not running here; stop any mgpu-enforcer or mgpu-device-plugin you started yourself."
 fi
 
 # The spec `mgpu-cli cdi generate` wrote: <cdi_spec_dir>/<vendor>-<class>.{yaml,json}

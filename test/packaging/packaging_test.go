@@ -130,23 +130,25 @@ func rpmFile(dist, v string) string { return filepath.Join(dist, "mgpu-"+v+"-1.x
 func expectedFiles(t *testing.T) map[string]os.FileMode {
 	t.Helper()
 	files := map[string]os.FileMode{
-		"/usr/bin/mgpu-cli":                                 0o755,
-		"/usr/bin/mgpu-enforcer":                            0o755,
-		"/usr/bin/mgpu-hook":                                0o755,
-		"/usr/lib/mgpu/libmgpu-shim.so":                     0o644,
-		"/usr/lib/mgpu/ld.so.preload":                       0o644,
-		"/usr/libexec/mgpu/mgpu-start-enforcers":            0o755,
-		"/etc/mgpu/config.toml":                             0o644,
-		"/usr/lib/systemd/system/mgpu-enforcer@.service":    0o644,
-		"/usr/lib/systemd/system/mgpu-enforcers.service":    0o644,
-		"/usr/lib/systemd/system/mgpu-cdi-refresh.service":  0o644,
-		"/usr/lib/systemd/system/mgpu-cdi-refresh.path":     0o644,
-		"/usr/lib/systemd/system-preset/90-mgpu.preset":     0o644,
-		"/usr/share/doc/mgpu/examples/containerd-mgpu.toml": 0o644,
-		"/usr/share/doc/mgpu/examples/docker-daemon.json":   0o644,
-		"/usr/share/doc/mgpu/examples/sim-node.toml":        0o644,
-		"/usr/share/doc/mgpu/README.md":                     0o644,
-		"/usr/share/doc/mgpu/LICENSE":                       0o644,
+		"/usr/bin/mgpu-cli":                                  0o755,
+		"/usr/bin/mgpu-device-plugin":                        0o755,
+		"/usr/bin/mgpu-enforcer":                             0o755,
+		"/usr/bin/mgpu-hook":                                 0o755,
+		"/usr/lib/mgpu/libmgpu-shim.so":                      0o644,
+		"/usr/lib/mgpu/ld.so.preload":                        0o644,
+		"/usr/libexec/mgpu/mgpu-start-enforcers":             0o755,
+		"/etc/mgpu/config.toml":                              0o644,
+		"/usr/lib/systemd/system/mgpu-enforcer@.service":     0o644,
+		"/usr/lib/systemd/system/mgpu-enforcers.service":     0o644,
+		"/usr/lib/systemd/system/mgpu-cdi-refresh.service":   0o644,
+		"/usr/lib/systemd/system/mgpu-cdi-refresh.path":      0o644,
+		"/usr/lib/systemd/system/mgpu-device-plugin.service": 0o644,
+		"/usr/lib/systemd/system-preset/90-mgpu.preset":      0o644,
+		"/usr/share/doc/mgpu/examples/containerd-mgpu.toml":  0o644,
+		"/usr/share/doc/mgpu/examples/docker-daemon.json":    0o644,
+		"/usr/share/doc/mgpu/examples/sim-node.toml":         0o644,
+		"/usr/share/doc/mgpu/README.md":                      0o644,
+		"/usr/share/doc/mgpu/LICENSE":                        0o644,
 	}
 	// The docs that make package staged (docs/*.md at build time).
 	docs, err := filepath.Glob(filepath.Join(buildDir, "pkg", "doc", "docs", "*.md"))
@@ -292,13 +294,13 @@ func diffModes(want, got map[string]os.FileMode) string {
 
 // TestUnitsVerify runs systemd-analyze verify on the repository's units,
 // with the installed paths pointed at this build's binaries, and checks the
-// enforcer's hardening score. TestDebInstallUpgradeRemove verifies the
-// installed units as they are.
+// hardening scores of the enforcer and the device plugin.
+// TestDebInstallUpgradeRemove verifies the installed units as they are.
 func TestUnitsVerify(t *testing.T) {
 	needTools(t, "systemd-analyze")
 	root := repoRoot(t)
 	bin := filepath.Join(root, "build", "bin")
-	for _, b := range []string{"mgpu-cli", "mgpu-enforcer"} {
+	for _, b := range []string{"mgpu-cli", "mgpu-enforcer", "mgpu-device-plugin"} {
 		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
 			t.Skipf("%s not built (make build): %v", b, err)
 		}
@@ -325,24 +327,55 @@ func TestUnitsVerify(t *testing.T) {
 		}
 		paths = append(paths, p)
 	}
-	if len(paths) != 4 {
-		t.Fatalf("units %q, want 4", paths)
+	if len(paths) != 5 {
+		t.Fatalf("units %q, want 5", paths)
 	}
 	verifyUnits(t, paths...)
 
-	out, err := exec.Command("systemd-analyze", "security", "--offline=yes", filepath.Join(dir, "mgpu-enforcer@.service")).CombinedOutput()
+	// ProtectSystem, ProtectHome, NoNewPrivileges and friends each count,
+	// so losing any of them shows here.
+	for _, u := range []struct {
+		unit string
+		max  float64
+	}{
+		{"mgpu-enforcer@.service", 5.0},     // 4.6 now
+		{"mgpu-device-plugin.service", 2.5}, // 1.6 now: no capabilities, no network either
+	} {
+		if level, out := exposure(t, filepath.Join(dir, u.unit)); level > u.max {
+			t.Errorf("%s exposure %.1f, want <= %.1f:\n%s", u.unit, level, u.max, out)
+		}
+	}
+
+	// The device plugin is on only where an operator turns it on: the
+	// preset disables it, the others it enables.
+	preset, err := os.ReadFile(filepath.Join(root, "packaging", "systemd", "90-mgpu.preset"))
 	if err != nil {
-		t.Fatalf("systemd-analyze security: %v\n%s", err, out)
+		t.Fatal(err)
+	}
+	for _, want := range []string{"enable mgpu-enforcers.service", "disable mgpu-device-plugin.service"} {
+		if !regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(want) + `$`).Match(preset) {
+			t.Errorf("90-mgpu.preset has no line %q:\n%s", want, preset)
+		}
+	}
+}
+
+// exposure is systemd-analyze security's overall exposure level of a unit
+// file, with its full output.
+func exposure(t *testing.T, unit string) (float64, []byte) {
+	t.Helper()
+	out, err := exec.Command("systemd-analyze", "security", "--offline=yes", unit).CombinedOutput()
+	if err != nil {
+		t.Fatalf("systemd-analyze security %s: %v\n%s", unit, err, out)
 	}
 	m := regexp.MustCompile(`Overall exposure level for \S+: ([0-9.]+)`).FindSubmatch(out)
 	if m == nil {
 		t.Fatalf("no exposure level in:\n%s", out)
 	}
-	// 4.7 now; ProtectSystem, ProtectHome, NoNewPrivileges and friends each
-	// count, so losing any of them shows here.
-	if level, _ := strconv.ParseFloat(string(m[1]), 64); level > 5.0 {
-		t.Errorf("mgpu-enforcer@.service exposure %.1f, want <= 5.0:\n%s", level, out)
+	level, err := strconv.ParseFloat(string(m[1]), 64)
+	if err != nil {
+		t.Fatalf("exposure level %q: %v", m[1], err)
 	}
+	return level, out
 }
 
 func verifyUnits(t *testing.T, paths ...string) {
@@ -367,9 +400,9 @@ type node struct {
 // packagePaths are what the package installs or creates; a machine where
 // one exists already is not touched.
 var packagePaths = []string{
-	"/usr/bin/mgpu-cli", "/usr/bin/mgpu-enforcer", "/usr/bin/mgpu-hook",
+	"/usr/bin/mgpu-cli", "/usr/bin/mgpu-enforcer", "/usr/bin/mgpu-hook", "/usr/bin/mgpu-device-plugin",
 	"/usr/lib/mgpu", "/usr/libexec/mgpu", "/etc/mgpu", "/var/lib/mgpu", "/run/mgpu",
-	"/usr/lib/systemd/system/mgpu-enforcer@.service",
+	"/usr/lib/systemd/system/mgpu-enforcer@.service", "/usr/lib/systemd/system/mgpu-device-plugin.service",
 }
 
 // inFakeSystemd runs a command in a private mount namespace whose /run has
@@ -587,13 +620,19 @@ func TestDebInstallUpgradeRemove(t *testing.T) {
 	}
 	// The units verify as installed (their ExecStart binaries exist now).
 	verifyUnits(t, "/usr/lib/systemd/system/mgpu-enforcer@.service", "/usr/lib/systemd/system/mgpu-enforcers.service",
-		"/usr/lib/systemd/system/mgpu-cdi-refresh.service", "/usr/lib/systemd/system/mgpu-cdi-refresh.path")
-	// The preset enabled the units offline (symlinks for the next boot).
+		"/usr/lib/systemd/system/mgpu-cdi-refresh.service", "/usr/lib/systemd/system/mgpu-cdi-refresh.path",
+		"/usr/lib/systemd/system/mgpu-device-plugin.service")
+	// The preset enabled the units offline (symlinks for the next boot),
+	// all but the device plugin.
 	enabled := []string{"mgpu-enforcers.service", "mgpu-cdi-refresh.service", "mgpu-cdi-refresh.path"}
 	for _, u := range enabled {
 		if !exists("/etc/systemd/system/multi-user.target.wants/" + u) {
 			t.Errorf("%s not enabled by the install", u)
 		}
+	}
+	const plugin = "mgpu-device-plugin.service"
+	if exists("/etc/systemd/system/multi-user.target.wants/" + plugin) {
+		t.Errorf("%s enabled by the install, want it disabled (the preset)", plugin)
 	}
 
 	// The operator makes it a simulated one-GPU node. The state directory
@@ -616,8 +655,9 @@ memory_mib = 16384
 
 	// 2. Remove: binaries and units go, the edited configuration stays.
 	run(t, "dpkg", "-r", "mgpu")
-	for _, f := range []string{"/usr/bin/mgpu-cli", "/usr/bin/mgpu-enforcer", "/usr/bin/mgpu-hook", "/usr/lib/mgpu/libmgpu-shim.so",
-		"/usr/lib/systemd/system/mgpu-enforcer@.service", "/usr/lib/systemd/system/mgpu-cdi-refresh.path"} {
+	for _, f := range []string{"/usr/bin/mgpu-cli", "/usr/bin/mgpu-enforcer", "/usr/bin/mgpu-hook", "/usr/bin/mgpu-device-plugin",
+		"/usr/lib/mgpu/libmgpu-shim.so", "/usr/lib/systemd/system/mgpu-enforcer@.service", "/usr/lib/systemd/system/mgpu-cdi-refresh.path",
+		"/usr/lib/systemd/system/mgpu-device-plugin.service"} {
 		if exists(f) {
 			t.Errorf("%s is still there after dpkg -r", f)
 		}
@@ -640,11 +680,15 @@ memory_mib = 16384
 	n.mustFakeSystemd("dpkg", "-i", debFile(dist, v1))
 	calls := n.calls()
 	t.Logf("reinstall: systemctl calls %q", calls)
-	for _, c := range []string{"preset " + strings.Join(enabled, " "), "restart mgpu-cdi-refresh.service", "restart mgpu-enforcers.service"} {
+	for _, c := range []string{"preset " + strings.Join(enabled, " ") + " " + plugin, "restart mgpu-cdi-refresh.service", "restart mgpu-enforcers.service"} {
 		if !slices.Contains(calls, c) {
 			t.Errorf("reinstall: no systemctl %s; calls: %q", c, calls)
 		}
 	}
+	if exists(filepath.Join(n.state, "enabled", plugin)) {
+		t.Errorf("reinstall: the preset enabled %s", plugin)
+	}
+	noPluginStart(t, "reinstall", calls)
 	if got, _ := os.ReadFile("/etc/mgpu/config.toml"); string(got) != cfg {
 		t.Errorf("/etc/mgpu/config.toml after the reinstall: %q, want the edited one", got)
 	}
@@ -666,6 +710,10 @@ memory_mib = 16384
 	if !slices.Contains(calls, "restart mgpu-enforcers.service") {
 		t.Errorf("upgrade: enforcers not restarted; calls: %q", calls)
 	}
+	if !slices.Contains(calls, "try-restart "+plugin) {
+		t.Errorf("upgrade: no systemctl try-restart %s (a running plugin keeps the old binary); calls: %q", plugin, calls)
+	}
+	noPluginStart(t, "upgrade", calls)
 	for _, c := range calls {
 		if strings.HasPrefix(c, "stop") || strings.HasPrefix(c, "disable") {
 			t.Errorf("upgrade: systemctl %s", c)
@@ -695,9 +743,10 @@ memory_mib = 16384
 	n.mustFakeSystemd("dpkg", "-r", "mgpu")
 	calls = n.calls()
 	t.Logf("remove: systemctl calls %q", calls)
-	if !slices.ContainsFunc(calls, func(c string) bool { return strings.HasPrefix(c, "disable --now") }) ||
-		!slices.Contains(calls, "stop mgpu-enforcer@*.service") {
-		t.Errorf("remove: units not stopped and disabled; calls: %q", calls)
+	if !slices.ContainsFunc(calls, func(c string) bool {
+		return strings.HasPrefix(c, "disable --now") && slices.Contains(strings.Fields(c), plugin)
+	}) || !slices.Contains(calls, "stop mgpu-enforcer@*.service") {
+		t.Errorf("remove: units (%s among them) not stopped and disabled; calls: %q", plugin, calls)
 	}
 	if alive(newPID) {
 		t.Errorf("remove: enforcer %d still runs", newPID)
@@ -716,6 +765,19 @@ memory_mib = 16384
 	}
 	if s := dpkgStatus(t); s != "" && !strings.HasPrefix(s, "un") {
 		t.Errorf("dpkg status after the purge: %q", s)
+	}
+}
+
+// noPluginStart fails the test if a systemctl call would start the device
+// plugin (the package never does; try-restart only restarts a running one).
+func noPluginStart(t *testing.T, step string, calls []string) {
+	t.Helper()
+	for _, c := range calls {
+		f := strings.Fields(c)
+		if len(f) > 1 && (f[0] == "start" || f[0] == "restart" || f[0] == "enable" || f[0] == "reload-or-restart") &&
+			slices.Contains(f[1:], "mgpu-device-plugin.service") {
+			t.Errorf("%s: systemctl %s: the package must not start the device plugin", step, c)
+		}
 	}
 }
 
@@ -940,10 +1002,12 @@ func (b *booted) mainPID(unit string) int {
 // /etc/mgpu/config.toml the image already carries (kept, no prompt); the
 // tree then boots (systemd-nspawn) and the units start the hardened
 // enforcer of its simulated GPU and write the CDI spec on their own; a
-// process-tree instance is made with `mgpu-cli run`; upgrading to v2 with
-// dpkg restarts the enforcer with the new binary, which restores the
-// instance; removing the package stops the units and leaves the
-// configuration.
+// process-tree instance is made with `mgpu-cli run`; the kubelet device
+// plugin, left disabled by the install, is enabled and started by hand and
+// stays up without a kubelet; upgrading to v2 with dpkg restarts the
+// enforcer and the plugin with the new binaries, and the enforcer restores
+// the instance; removing the package stops the units, the plugin included,
+// and leaves the configuration.
 func TestNodeImageUnderSystemd(t *testing.T) {
 	needTools(t, "dpkg-deb")
 	b := newTree(t)
@@ -1007,6 +1071,41 @@ func TestNodeImageUnderSystemd(t *testing.T) {
 		t.Errorf("mgpu-cli device info -a on the booted node: %v\n%s", err, info)
 	}
 
+	// The device plugin: installed, not enabled, not started.
+	const plugin = "mgpu-device-plugin.service"
+	if s, _ := b.exec("systemctl", "is-enabled", plugin); strings.TrimSpace(s) != "disabled" {
+		t.Errorf("%s is %q after the install and first boot, want disabled (the preset)", plugin, strings.TrimSpace(s))
+	}
+	if pid := b.mainPID(plugin); pid != 0 {
+		t.Errorf("%s runs (pid %d) though nobody enabled it", plugin, pid)
+	}
+	// An operator turns it on. There is no kubelet here: the plugin serves
+	// its socket, tries to register again and again, and stays active.
+	b.must("systemctl", "enable", "--now", plugin)
+	pluginSock := filepath.Join(b.root, "var", "lib", "kubelet", "device-plugins", "mgpu-core.sock")
+	var journal string
+	if err := pollFor(10*time.Second, func() bool {
+		journal, _ = b.exec("journalctl", "--no-pager", "-o", "cat", "-u", plugin)
+		return strings.Count(journal, "not registered with the kubelet; trying again") >= 3
+	}); err != nil {
+		st, _ := b.exec("systemctl", "--no-pager", "status", plugin)
+		t.Fatalf("%s does not keep trying to register without a kubelet:\n%s\njournal:\n%s", plugin, st, journal)
+	}
+	show := b.must("systemctl", "show", "-p", "ActiveState,SubState,NRestarts", plugin)
+	if !strings.Contains(show, "ActiveState=active\n") || !strings.Contains(show, "SubState=running\n") || !strings.Contains(show, "NRestarts=0\n") {
+		t.Errorf("%s without a kubelet:\n%s\njournal:\n%s", plugin, show, journal)
+	}
+	if st, err := os.Stat(pluginSock); err != nil || st.Mode().Type() != os.ModeSocket {
+		t.Errorf("the plugin's socket %s: %v (mode %v)", pluginSock, err, st)
+	}
+	// Its first poll reached mgpu-enforcer@0's control socket through the
+	// unit's sandbox: a GPU whose enforcer does not answer is logged.
+	if !strings.Contains(journal, "serving") || strings.Contains(journal, "GPU unhealthy") {
+		t.Errorf("%s did not see GPU 0's enforcer:\n%s", plugin, journal)
+	}
+	pluginPID := b.mainPID(plugin)
+	t.Logf("%s without a kubelet, pid %d:\n%s\n%s", plugin, pluginPID, show, journal)
+
 	// 3. An instance: a process tree that lives through the upgrade.
 	b.must("sh", "-c", "setsid mgpu-cli run --device 0 --core 30 --memory 1024 -- sleep 600 >/tmp/run.log 2>&1 </dev/null &")
 	var before string
@@ -1044,6 +1143,15 @@ func TestNodeImageUnderSystemd(t *testing.T) {
 		t.Fatalf("the upgrade lost instance %s:\n%s\njournal:\n%s", name, after, j)
 	}
 	t.Logf("upgrade %s -> %s: enforcer pid %d -> %d; instances:\n%s", v1, v2, oldPID, newPID, after)
+	var newPluginPID int
+	if err := pollFor(10*time.Second, func() bool {
+		newPluginPID = b.mainPID(plugin)
+		return newPluginPID > 0 && newPluginPID != pluginPID
+	}); err != nil {
+		t.Errorf("the upgrade did not restart %s (main pid %d before, %d after)", plugin, pluginPID, newPluginPID)
+	} else if exe := b.must("readlink", fmt.Sprintf("/proc/%d/exe", newPluginPID)); strings.TrimSpace(exe) != "/usr/bin/mgpu-device-plugin" {
+		t.Errorf("the restarted plugin runs %q, want /usr/bin/mgpu-device-plugin", strings.TrimSpace(exe))
+	}
 	if got, _ := os.ReadFile(filepath.Join(b.root, "etc", "mgpu", "config.toml")); string(got) != cfg {
 		t.Errorf("/etc/mgpu/config.toml after the upgrade: %q, want the node's", got)
 	}
@@ -1053,6 +1161,16 @@ func TestNodeImageUnderSystemd(t *testing.T) {
 	b.must("dpkg", "-r", "mgpu")
 	if s, _ := b.exec("systemctl", "is-active", "mgpu-enforcer@0.service"); strings.TrimSpace(s) == "active" {
 		t.Errorf("mgpu-enforcer@0 still active after dpkg -r")
+	}
+	// Stopped cleanly (SIGTERM: exit status 0), not failed.
+	if s, _ := b.exec("systemctl", "is-active", plugin); strings.TrimSpace(s) != "inactive" {
+		t.Errorf("%s is %q after dpkg -r, want inactive", plugin, strings.TrimSpace(s))
+	}
+	if exists(filepath.Join(b.root, "etc", "systemd", "system", "multi-user.target.wants", plugin)) {
+		t.Errorf("%s still enabled after dpkg -r", plugin)
+	}
+	if exists(pluginSock) {
+		t.Errorf("the plugin's socket %s is still there after dpkg -r", pluginSock)
 	}
 	if _, err := b.exec("test", "-e", spec); err == nil {
 		t.Errorf("the CDI spec %s is still there after dpkg -r", spec)
