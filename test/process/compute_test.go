@@ -75,6 +75,7 @@ func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, w
 	}
 	time.Sleep(warm) // settling time before the window, not synchronisation
 	ma := measured(t, n)
+	hostA, hostErr := harness.ReadHostCPU()
 	a, err := n.Sample()
 	if err != nil {
 		t.Fatal(err)
@@ -85,6 +86,10 @@ func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, w
 		t.Fatal(err)
 	}
 	mb := measured(t, n)
+	hostB, err := harness.ReadHostCPU()
+	if hostErr == nil {
+		hostErr = err
+	}
 	shares := make([]float64, len(procs))
 	for i, pr := range procs {
 		if !pr.Alive() {
@@ -104,7 +109,11 @@ func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, w
 	if model == "" {
 		model = "slice"
 	}
-	t.Logf("%s shares over %v (device model %s): %v (device %.2f%%)", p, win, model, round(shares), dev)
+	steal := "unknown"
+	if hostErr == nil {
+		steal = fmt.Sprintf("%.2f%%", harness.StealPercent(hostA, hostB))
+	}
+	t.Logf("%s shares over %v (device model %s): %v (device %.2f%%; host CPU stolen by the hypervisor: %s)", p, win, model, round(shares), dev, steal)
 	return shares, dev
 }
 
