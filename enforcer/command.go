@@ -6,12 +6,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
 
 	"github.com/mgpu-dev/mgpu/internal/config"
+	"github.com/mgpu-dev/mgpu/internal/logging"
 )
 
 // Command is mgpu-enforcer: it parses args (without the program name), runs
@@ -35,21 +35,11 @@ func Command(args []string, stderr io.Writer) int {
 	if fs.NArg() > 0 || *dev < 0 {
 		return fail(2, "usage: mgpu-enforcer --device X [--config FILE]")
 	}
-	var lv slog.Level
-	if err := lv.UnmarshalText([]byte(*level)); err != nil {
-		return fail(2, "bad --log-level %q", *level)
+	base, err := logging.New(stderr, *level, *format)
+	if err != nil {
+		return fail(2, "%v", err)
 	}
-	hopts := &slog.HandlerOptions{Level: lv}
-	var h slog.Handler
-	switch *format {
-	case "text":
-		h = slog.NewTextHandler(stderr, hopts)
-	case "json":
-		h = slog.NewJSONHandler(stderr, hopts)
-	default:
-		return fail(2, "bad --log-format %q (want text or json)", *format)
-	}
-	log := slog.New(h).With("device", *dev)
+	log := base.With("device", *dev)
 	path := config.Resolve(*cfgPath)
 	cfg, err := config.Load(path)
 	if err != nil {

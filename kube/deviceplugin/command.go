@@ -6,13 +6,13 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"os/signal"
 	"strings"
 	"syscall"
 
 	"github.com/mgpu-dev/mgpu/internal/config"
 	"github.com/mgpu-dev/mgpu/internal/device"
+	"github.com/mgpu-dev/mgpu/internal/logging"
 	"github.com/mgpu-dev/mgpu/kube/placement"
 )
 
@@ -70,21 +70,10 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	if *dir == "" {
 		return fail(2, "--device-plugin-dir is empty")
 	}
-	var lv slog.Level
-	if err := lv.UnmarshalText([]byte(*level)); err != nil {
-		return fail(2, "bad --log-level %q (want debug, info, warn or error)", *level)
+	log, err := logging.New(stderr, *level, *format)
+	if err != nil {
+		return fail(2, "%v", err)
 	}
-	hopts := &slog.HandlerOptions{Level: lv}
-	var h slog.Handler
-	switch *format {
-	case "text":
-		h = slog.NewTextHandler(stderr, hopts)
-	case "json":
-		h = slog.NewJSONHandler(stderr, hopts)
-	default:
-		return fail(2, "bad --log-format %q (want text or json)", *format)
-	}
-	log := slog.New(h)
 
 	cfg, err := config.Load(config.Resolve(*cfgPath))
 	if err != nil {
