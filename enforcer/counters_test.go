@@ -123,9 +123,12 @@ func FuzzSaneCounters(f *testing.F) {
 // TestNonsenseCounters: a process that writes garbage into its own slot
 // leaves the enforcer serving, its neighbour's grant working and the
 // instance totals bounded; the enforcer says so once, naming the instance.
-func TestNonsenseCounters(t *testing.T) {
-	env := newEnv(t, nil)
-	logs := env.startLogged(t)
+// selfAndNeighbour gives this process an instance (mgpu0inst0, core 40) and
+// attaches it, and attaches a helper process to an instance of its own
+// (mgpu0inst1, core 30): it returns this process's slot and the neighbour's
+// region.
+func selfAndNeighbour(t *testing.T, env *testEnv) (region.Proc, *region.Region) {
+	t.Helper()
 	c := env.client()
 	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
 		t.Fatal(err)
@@ -135,7 +138,6 @@ func TestNonsenseCounters(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, p := mapAttach(t, res)
-	// The neighbour: a helper process attached to an instance of its own.
 	h := startHelper(t, api.ClientSocket(env.runDir()), nil)
 	if _, err := c.Create(ctx, tree(h.cmd.Process.Pid, 30, 10)); err != nil {
 		t.Fatal(err)
@@ -143,7 +145,13 @@ func TestNonsenseCounters(t *testing.T) {
 	if line := h.attach(t); line != "ok slot=0 instance=1" {
 		t.Fatalf("helper: %s", line)
 	}
-	nb := openRegion(t, env.runDir()+"/regions/mgpu0inst1")
+	return p, openRegion(t, env.runDir()+"/regions/mgpu0inst1")
+}
+
+func TestNonsenseCounters(t *testing.T) {
+	env := newEnv(t, nil)
+	logs := env.startLogged(t)
+	p, nb := selfAndNeighbour(t, env)
 	stop := make(chan struct{})
 	done := make(chan struct{})
 	go func() {
@@ -166,7 +174,7 @@ func TestNonsenseCounters(t *testing.T) {
 	time.Sleep(300 * time.Millisecond) // garbage for a while (no condition to wait for: it must just not matter)
 	close(stop)
 	<-done
-	stats, err := c.Stats(ctx)
+	stats, err := env.client().Stats(ctx)
 	if err != nil {
 		t.Fatalf("the enforcer stopped answering: %v", err)
 	}
@@ -196,24 +204,8 @@ func TestNonsenseCounters(t *testing.T) {
 func TestUnheldQueuedIsNoWork(t *testing.T) {
 	env := newEnv(t, nil)
 	env.start(t)
-	c := env.client()
-	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
-		t.Fatal(err)
-	}
-	res, err := attach.Dial(api.ClientSocket(env.runDir()), 5*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, p := mapAttach(t, res)
+	p, nb := selfAndNeighbour(t, env)
 	p.QueuedNs.Store(uint64(time.Millisecond)) // in range, never waited for a grant
-	h := startHelper(t, api.ClientSocket(env.runDir()), nil)
-	if _, err := c.Create(ctx, tree(h.cmd.Process.Pid, 30, 10)); err != nil {
-		t.Fatal(err)
-	}
-	if line := h.attach(t); line != "ok slot=0 instance=1" {
-		t.Fatalf("helper: %s", line)
-	}
-	nb := openRegion(t, env.runDir()+"/regions/mgpu0inst1")
 	nb.Proc(0).Waiting.Store(1)
 	eventually(t, 5*time.Second, "the neighbour's grant", func() bool { return nb.L().Grant.Load() != 0 })
 	// Contended is written before the grant, in the same tick.
