@@ -6,7 +6,6 @@ import (
 	"os"
 	"testing"
 
-	"golang.org/x/sys/unix"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 )
 
@@ -124,11 +123,6 @@ func TestListAndWatchOnlyOnChange(t *testing.T) {
 	default:
 		t.Fatal("GPU 0 went down and the watchers were not woken")
 	}
-}
-
-func isSocket(path string) bool {
-	var st unix.Stat_t
-	return unix.Stat(path, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK
 }
 
 func TestReRegistration(t *testing.T) {

@@ -114,10 +114,22 @@ func (p *Plugin) session(ctx context.Context, w *fsnotify.Watcher, served <-chan
 			if !ok {
 				return false
 			}
-			if ev.Name == p.KubeletSocketPath() && ev.Op&fsnotify.Create != 0 {
+			if ev.Name != p.KubeletSocketPath() || ev.Op&fsnotify.Create == 0 {
+				continue
+			}
+			// A kubelet that starts removes the plugins' sockets before
+			// it creates kubelet.sock. If ours is gone, serve on a new
+			// one; if it is still there (a kubelet that started after
+			// the plugin, or one whose cleanup spared it), registering
+			// again is enough, and keeps the connection of a kubelet
+			// that already dialled us.
+			if !isSocket(p.SocketPath()) {
 				p.log.Info("the kubelet restarted; serving on a new socket and registering again", "registered", registered)
 				return true
 			}
+			p.log.Info("the kubelet started; registering again", "registered", registered)
+			delay = retryMin
+			retry.Reset(0)
 		case err, ok := <-w.Errors:
 			if !ok {
 				return false
@@ -128,6 +140,12 @@ func (p *Plugin) session(ctx context.Context, w *fsnotify.Watcher, served <-chan
 			return true
 		}
 	}
+}
+
+// isSocket reports whether path is a Unix socket.
+func isSocket(path string) bool {
+	fi, err := os.Lstat(path)
+	return err == nil && fi.Mode()&os.ModeSocket != 0
 }
 
 // register tells the kubelet about the plugin.
