@@ -16,6 +16,7 @@ import (
 
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/internal/config"
+	"github.com/mgpu-dev/mgpu/kube/agentapi"
 )
 
 // Default time limits. The CDI spec gives each hook cdi.HookTimeout (10 s),
@@ -42,6 +43,7 @@ type Hook struct {
 	connect  func(index int) Enforcer
 	log      io.Writer
 	rollback time.Duration
+	agent    Agent
 }
 
 // Option configures a Hook.
@@ -64,6 +66,7 @@ func New(cfg *config.Config, opts ...Option) *Hook {
 	h.connect = func(index int) Enforcer {
 		return api.NewClient(api.ControlSocket(cfg.DeviceRunDir(index)))
 	}
+	h.agent = agentapi.NewClient(agentapi.Socket(cfg.RunDir))
 	for _, o := range opts {
 		o(h)
 	}
@@ -93,26 +96,43 @@ func (h *Hook) Create(ctx context.Context, st *oci.State) ([]Admitted, error) {
 	if err != nil || len(devs) == 0 {
 		return nil, err
 	}
-	var env []string
-	if spec.Process != nil {
-		env = spec.Process.Env
-	}
-	req, err := ResolveRequest(Annotations(st, spec), env)
-	if err != nil {
-		return nil, err
-	}
 	id, err := h.proc.Identity(st.Pid)
 	if err != nil {
 		return nil, err
 	}
-	creq := api.CreateRequest{Kind: api.KindContainer, ContainerID: st.ID, PID: st.Pid, Core: req.Core, MemoryMiB: req.MemoryMiB}
-	if req.PolicySet {
-		creq.Policy = req.Policy.String()
+	base := api.CreateRequest{Kind: api.KindContainer, ContainerID: st.ID, PID: st.Pid}
+	var creqs []api.CreateRequest
+	ann := Annotations(st, spec)
+	pod, isPod, err := PodContainer(ann)
+	switch {
+	case err != nil:
+		return nil, err
+	case isPod:
+		// A Kubernetes container: its quota is its own pod's.
+		if creqs, err = h.podRequests(ctx, pod, devs, base); err != nil {
+			return nil, err
+		}
+	default:
+		var env []string
+		if spec.Process != nil {
+			env = spec.Process.Env
+		}
+		req, err := ResolveRequest(ann, env)
+		if err != nil {
+			return nil, err
+		}
+		base.Core, base.MemoryMiB = req.Core, req.MemoryMiB
+		if req.PolicySet {
+			base.Policy = req.Policy.String()
+		}
+		for range devs {
+			creqs = append(creqs, base)
+		}
 	}
 
 	var done []Admitted
-	for _, d := range devs {
-		inst, uncertain, err := h.admit(ctx, d, id, creq)
+	for i, d := range devs {
+		inst, uncertain, err := h.admit(ctx, d, id, creqs[i])
 		if err != nil {
 			if inst.Name != "" { // made, but not usable
 				done = append(done, Admitted{Device: d.Index, Instance: inst})
@@ -141,6 +161,10 @@ func (h *Hook) admit(ctx context.Context, d Device, id Identity, creq api.Create
 	}
 	if info.UUID != "" && info.UUID != d.UUID {
 		return api.Instance{}, false, fmt.Errorf("the CDI spec says GPU %d is %s but device %d is %s; regenerate the CDI spec (mgpu-cli cdi generate)", d.Index, d.UUID, d.Index, info.UUID)
+	}
+	if creq.MemoryMiB == 0 {
+		// A whole GPU asked for without memory: all of it.
+		creq.MemoryMiB = info.MemoryMiB
 	}
 	resp, err := e.Create(ctx, creq)
 	if err != nil {

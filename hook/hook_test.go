@@ -25,13 +25,17 @@ type fakeEnforcer struct {
 	loseReply bool
 	startTime uint64 // 0: the request's process's
 	proc      Proc
+	memoryMiB uint64 // the device's memory
+
+	lastPolicy string // of the last create
 }
 
 func (f *fakeEnforcer) Device(context.Context) (api.DeviceResponse, error) {
-	return api.DeviceResponse{Index: f.index, UUID: f.uuid}, nil
+	return api.DeviceResponse{Index: f.index, UUID: f.uuid, MemoryMiB: f.memoryMiB}, nil
 }
 
 func (f *fakeEnforcer) Create(ctx context.Context, req api.CreateRequest) (api.CreateResponse, error) {
+	f.lastPolicy = req.Policy
 	st := f.startTime
 	if st == 0 {
 		id, err := f.proc.Identity(req.PID)

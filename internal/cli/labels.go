@@ -7,16 +7,8 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"github.com/mgpu-dev/mgpu/internal/device"
 	"github.com/mgpu-dev/mgpu/internal/fsutil"
-)
-
-// Label keys (the second seed's card-model labels, and the first seed's
-// policy label).
-const (
-	LabelName   = "aliyun.accelerator/nvidia_name"
-	LabelMemory = "aliyun.accelerator/nvidia_mem"
-	LabelCount  = "aliyun.accelerator/nvidia_count"
-	LabelPolicy = "vke.volcengine.com/mgpu-compute-policy"
 )
 
 func nodeLabels(c *cli.Context) error {
@@ -28,21 +20,12 @@ func nodeLabels(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	if len(devs) == 0 {
-		return fmt.Errorf("the node has no GPU, so there are no labels to print")
+	labels, warning, err := device.NodeLabels(cfg, devs)
+	if err != nil {
+		return err
 	}
-	first := devs[0]
-	for _, d := range devs[1:] {
-		if d.Name != first.Name || d.MemoryBytes != first.MemoryBytes {
-			fmt.Fprintf(c.App.ErrWriter, "mgpu: warning: GPUs differ (%q vs %q); labels describe GPU %d\n", first.Name, d.Name, first.Index)
-			break
-		}
-	}
-	labels := [][2]string{
-		{LabelName, strings.ReplaceAll(first.Name, " ", "-")},
-		{LabelMemory, fmt.Sprintf("%dMiB", first.MemoryMiB())},
-		{LabelCount, fmt.Sprint(len(devs))},
-		{LabelPolicy, cfg.Defaults.ComputePolicy.String()},
+	if warning != "" {
+		fmt.Fprintf(c.App.ErrWriter, "mgpu: warning: %s\n", warning)
 	}
 	var b strings.Builder
 	if format == "nfd" {
@@ -51,7 +34,7 @@ func nodeLabels(c *cli.Context) error {
 		b.WriteString("# -extra-label-ns=aliyun.accelerator,vke.volcengine.com to publish them.\n")
 	}
 	for _, l := range labels {
-		fmt.Fprintf(&b, "%s=%s\n", l[0], l[1])
+		fmt.Fprintf(&b, "%s=%s\n", l.Key, l.Value)
 	}
 	out := c.String("output-file")
 	if out == "" {

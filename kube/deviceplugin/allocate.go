@@ -90,12 +90,15 @@ func countList(by map[int][]ID) string {
 // GetPreferredAllocation implements DevicePluginServer. For each container
 // it groups the available IDs by GPU, takes a GPU's count of available IDs
 // as its free core, and lets placement choose with the plugin's policy.
-// The request's memory is not known here (the kubelet tells only the
-// mgpu-core count), so only core is considered (placement.PlaceCore).
-func (p *Plugin) GetPreferredAllocation(_ context.Context, r *pluginapi.PreferredAllocationRequest) (*pluginapi.PreferredAllocationResponse, error) {
+// The kubelet tells only the mgpu-core count. With a resolver, a share is
+// placed on a GPU that also has the memory the pending containers of that
+// size ask for, net of what the kubelet's allocations already hold
+// (placement.Place); without one, or when no GPU has it, only core is
+// considered (placement.PlaceCore) and the hook's admission is the check.
+func (p *Plugin) GetPreferredAllocation(ctx context.Context, r *pluginapi.PreferredAllocationRequest) (*pluginapi.PreferredAllocationResponse, error) {
 	out := &pluginapi.PreferredAllocationResponse{}
 	for _, cr := range r.GetContainerRequests() {
-		ids, err := p.preferred(cr.GetAvailableDeviceIDs(), cr.GetMustIncludeDeviceIDs(), int(cr.GetAllocationSize()))
+		ids, err := p.preferred(ctx, cr.GetAvailableDeviceIDs(), cr.GetMustIncludeDeviceIDs(), int(cr.GetAllocationSize()))
 		if err != nil {
 			return nil, err
 		}
@@ -105,7 +108,7 @@ func (p *Plugin) GetPreferredAllocation(_ context.Context, r *pluginapi.Preferre
 }
 
 // preferred chooses size IDs among available, including mustInclude.
-func (p *Plugin) preferred(available, mustInclude []string, size int) ([]string, error) {
+func (p *Plugin) preferred(ctx context.Context, available, mustInclude []string, size int) ([]string, error) {
 	if size <= 0 {
 		return nil, invalid("allocation size %d: must be at least 1", size)
 	}
@@ -161,11 +164,11 @@ func (p *Plugin) preferred(available, mustInclude []string, size int) ([]string,
 				return nil, invalid("GPU %d has %d IDs available, %d asked for (with must-include IDs of it)", gpu, len(avail[gpu]), size)
 			}
 		default:
-			chosen, err := placement.PlaceCore(cards(nil), size, p.policy)
+			chosen, err := p.placeShare(ctx, cards(nil), size)
 			if err != nil {
 				return nil, placeError(err)
 			}
-			gpu = chosen[0]
+			gpu = chosen
 		}
 		ids := slices.Clone(must[gpu])
 		for _, id := range avail[gpu] {
@@ -194,7 +197,7 @@ func (p *Plugin) preferred(available, mustInclude []string, size int) ([]string,
 	}
 	gpus := slices.Clone(mustGPUs)
 	if rest := k - len(mustGPUs); rest > 0 {
-		chosen, err := placement.PlaceCore(cards(must), rest*IDsPerGPU, p.policy)
+		chosen, err := placement.PlaceCore(cards(must), rest*IDsPerGPU, p.Policy())
 		if err != nil {
 			return nil, placeError(err)
 		}
@@ -206,6 +209,69 @@ func (p *Plugin) preferred(available, mustInclude []string, size int) ([]string,
 		ids = append(ids, gpuIDs(g)...)
 	}
 	return idStrings(ids), nil
+}
+
+// placeShare chooses the GPU of a share of size IDs among cards (their
+// free core from the available IDs): with memory when the resolver can
+// tell it (see GetPreferredAllocation), else by core alone.
+func (p *Plugin) placeShare(ctx context.Context, cards []placement.Card, size int) (int, error) {
+	pol := p.Policy()
+	if p.resolver != nil {
+		if gpu, ok := p.placeWithMemory(ctx, cards, size, pol); ok {
+			return gpu, nil
+		}
+	}
+	chosen, err := placement.PlaceCore(cards, size, pol)
+	if err != nil {
+		return 0, err
+	}
+	return chosen[0], nil
+}
+
+// placeWithMemory is placeShare's memory-aware choice; ok is false when it
+// cannot be made (no pending container known, sources that do not answer,
+// or no GPU with the memory).
+func (p *Plugin) placeWithMemory(ctx context.Context, cards []placement.Card, size int, pol placement.Policy) (int, bool) {
+	ctx, cancel := context.WithTimeout(ctx, cardsTimeout)
+	defer cancel()
+	com, err := p.resolver.pendingMemory(ctx, size)
+	if err != nil {
+		p.log.Warn("preferred allocation by core alone: the pending containers are not known", "err", err)
+		return 0, false
+	}
+	if !com.known {
+		p.log.Warn("preferred allocation by core alone: no pod of this node waits for this size", "size", size)
+		return 0, false
+	}
+	live, _ := p.src.Cards(ctx) // GPUs that do not answer are left out
+	byIndex := map[int]placement.Card{}
+	for _, c := range live {
+		byIndex[c.Index] = c
+	}
+	var withMem []placement.Card
+	for _, c := range cards {
+		l, ok := byIndex[c.Index]
+		if !ok {
+			continue
+		}
+		c.MemoryMiB = l.MemoryMiB
+		free := l.MemoryFreeMiB
+		switch held := com.committed[c.Index]; {
+		case held == wholeCard || held >= l.MemoryMiB:
+			free = 0
+		default:
+			free = min(free, l.MemoryMiB-held)
+		}
+		c.MemoryFreeMiB = free
+		withMem = append(withMem, c)
+	}
+	chosen, err := placement.Place(withMem, placement.Request{Core: size, MemoryMiB: com.pending}, pol)
+	if err != nil {
+		p.log.Warn("preferred allocation by core alone", "err", err)
+		return 0, false
+	}
+	p.log.Debug("preferred allocation", "size", size, "memory_mib", com.pending, "gpu", chosen[0])
+	return chosen[0], true
 }
 
 func idStrings(ids []ID) []string {

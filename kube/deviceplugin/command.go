@@ -6,13 +6,20 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"os/signal"
 	"strings"
+	"sync"
 	"syscall"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/mgpu-dev/mgpu/internal/config"
 	"github.com/mgpu-dev/mgpu/internal/device"
 	"github.com/mgpu-dev/mgpu/internal/logging"
+	"github.com/mgpu-dev/mgpu/kube/agentapi"
 	"github.com/mgpu-dev/mgpu/kube/placement"
 )
 
@@ -27,8 +34,19 @@ Each GPU of the node is 100 device IDs, mgpu-<gpu>-<k> with k = 00..99
 answers. A container given N < 100 IDs of one GPU gets that GPU's CDI device
 (e.g. mgpu.io/gpu=0) and MGPU_CORE=N; one given all 100 IDs of each of
 several GPUs gets their CDI devices and MGPU_CORE=100. The kubelet's choice
-of IDs follows --placement (binpack fills the fullest GPU first, spread
-the emptiest); see docs/kubernetes.md.
+of IDs follows the node's label ack.node.gpu.placement, else --placement
+(binpack fills the fullest GPU first, spread the emptiest).
+
+It is also the node agent, and needs the API server for that (--kubeconfig,
+$KUBECONFIG, or the pod's service account when it runs in a pod):
+  - it publishes vke.volcengine.com/mgpu-memory (MiB of all GPUs) as node
+    capacity, and the node labels vke.node.gpu.schedule=mgpu, the policy
+    label vke.volcengine.com/mgpu-compute-policy and the card-model labels
+    of mgpu-cli node labels;
+  - it answers mgpu-hook, on <run_dir>/` + agentapi.SocketName + `, which quota a
+    container has: its own pod's mgpu-core, mgpu-memory and policy
+    annotation, on the GPUs the kubelet allocated to it (PodResources API).
+See docs/kubernetes.md.
 
 Usage: mgpu-device-plugin [flags]
 
@@ -45,6 +63,9 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	cfgPath := fs.String("config", "", "node configuration `FILE` (default $"+config.EnvPath+" or "+config.DefaultPath+")")
 	dir := fs.String("device-plugin-dir", strings.TrimSuffix(DefaultDir, "/"), "the kubelet's device-plugin `DIR`, where kubelet.sock is and "+SocketName+" is created")
 	place := fs.String("placement", placement.Binpack.String(), "`POLICY` of preferred allocations across GPUs: binpack or spread (as the node label ack.node.gpu.placement)")
+	kubeconfig := fs.String("kubeconfig", "", "`FILE` of the API server's address and credentials (default $KUBECONFIG, else in-cluster)")
+	nodeName := fs.String("node-name", "", "the `NAME` of this node's Node object (default $NODE_NAME, else the host name)")
+	podResources := fs.String("pod-resources-socket", DefaultPodResourcesSocket, "the kubelet's PodResources API `SOCKET`")
 	level := fs.String("log-level", "info", "`LEVEL`: debug, info, warn or error")
 	format := fs.String("log-format", "text", "`FORMAT`: text or json")
 	fail := func(status int, format string, a ...any) int {
@@ -75,28 +96,119 @@ func Command(args []string, stdout, stderr io.Writer) int {
 		return fail(2, "%v", err)
 	}
 
+	if *podResources == "" {
+		return fail(2, "--pod-resources-socket is empty")
+	}
+	node, err := resolveNodeName(*nodeName)
+	if err != nil {
+		return fail(2, "%v", err)
+	}
+
 	cfg, err := config.Load(config.Resolve(*cfgPath))
 	if err != nil {
 		return fail(2, "%v", err)
+	}
+	restCfg, err := kubeConfig(*kubeconfig)
+	if err != nil {
+		return fail(2, "%v", err)
+	}
+	client, err := kubernetes.NewForConfig(restCfg)
+	if err != nil {
+		return fail(2, "the API server: %v", err)
 	}
 	devs, err := device.List(cfg)
 	if err != nil {
 		return fail(1, "%v", err)
 	}
+	labels, warning, err := device.NodeLabels(cfg, devs)
+	if err != nil {
+		return fail(1, "%v", err)
+	}
+	if warning != "" {
+		log.Warn(warning)
+	}
+	want := map[string]string{device.LabelSchedule: device.ScheduleMGPU}
+	for _, l := range labels {
+		want[l.Key] = l.Value
+	}
+	var memory uint64
 	gpus := make([]int, len(devs))
 	for i, d := range devs {
 		gpus[i] = d.Index
+		memory += d.MemoryMiB()
 	}
+	allocs, err := NewPodResources(*podResources)
+	if err != nil {
+		return fail(2, "%v", err)
+	}
+	defer func() { _ = allocs.Close() }()
+	resolver := NewResolver(node, gpus, NewAPIPods(client, node), allocs)
 	p, err := New(gpus, NewEnforcerCards(cfg, gpus),
-		WithDir(*dir), WithPolicy(pol), WithCDIKind(cfg.CDIKind), WithLogger(log))
+		WithDir(*dir), WithPolicy(pol), WithCDIKind(cfg.CDIKind), WithResolver(resolver), WithLogger(log))
 	if err != nil {
 		return fail(1, "%v", err)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	if err := p.Run(ctx); err != nil {
-		return fail(1, "%v", err)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+
+	var wg sync.WaitGroup
+	agentErr := make(chan error, 1)
+	wg.Go(func() { agentErr <- ServeAgent(ctx, agentapi.Socket(cfg.RunDir), resolver, log) })
+	wg.Go(func() { NewNodePublisher(client, node, want, memory, p, pol, log).Run(ctx, DefaultPublishInterval) })
+	runErr := make(chan error, 1)
+	wg.Go(func() { runErr <- p.Run(ctx) })
+	var status int
+	select {
+	case err := <-agentErr:
+		if err != nil {
+			status = fail(1, "%v", err)
+		}
+	case err := <-runErr:
+		if err != nil {
+			status = fail(1, "%v", err)
+		}
 	}
-	log.Info("stopped")
-	return 0
+	cancel()
+	wg.Wait()
+	if status == 0 {
+		log.Info("stopped")
+	}
+	return status
+}
+
+// resolveNodeName is --node-name, else $NODE_NAME, else the host name.
+func resolveNodeName(flagValue string) (string, error) {
+	if flagValue != "" {
+		return flagValue, nil
+	}
+	if v := os.Getenv("NODE_NAME"); v != "" {
+		return v, nil
+	}
+	h, err := os.Hostname()
+	if err != nil || h == "" {
+		return "", fmt.Errorf("no node name: set --node-name or $NODE_NAME (the host name is not known: %w)", err)
+	}
+	return strings.ToLower(h), nil
+}
+
+// kubeConfig is the API server's configuration: --kubeconfig, else
+// $KUBECONFIG, else the pod's service account.
+func kubeConfig(path string) (*rest.Config, error) {
+	if path == "" {
+		path = os.Getenv("KUBECONFIG")
+	}
+	if path != "" {
+		c, err := clientcmd.BuildConfigFromFlags("", path)
+		if err != nil {
+			return nil, fmt.Errorf("--kubeconfig %s: %w", path, err)
+		}
+		return c, nil
+	}
+	c, err := rest.InClusterConfig()
+	if err != nil {
+		return nil, fmt.Errorf("no API server: set --kubeconfig FILE or $KUBECONFIG, or run in a pod with a service account (%w)", err)
+	}
+	return c, nil
 }

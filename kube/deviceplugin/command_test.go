@@ -19,7 +19,7 @@ func TestCommand(t *testing.T) {
 	}{
 		{
 			name: "help", args: []string{"--help"}, status: 0,
-			stdout: []string{ResourceName, "mgpu-<gpu>-<k> with k = 00..99", "-config", "-device-plugin-dir", "/var/lib/kubelet/device-plugins", "-placement", "binpack or spread"},
+			stdout: []string{ResourceName, "mgpu-<gpu>-<k> with k = 00..99", "-config", "-device-plugin-dir", "/var/lib/kubelet/device-plugins", "-placement", "binpack or spread", "-kubeconfig", "-node-name", "-pod-resources-socket", "kube-agent.sock"},
 		},
 		{name: "unknown flag", args: []string{"--bogus"}, status: 2, stderr: "mgpu-device-plugin: flag provided but not defined: -bogus (see --help)"},
 		{name: "argument", args: []string{"now"}, status: 2, stderr: `mgpu-device-plugin: takes no arguments, got "now"`},

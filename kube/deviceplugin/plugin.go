@@ -17,6 +17,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
@@ -53,7 +54,8 @@ type Plugin struct {
 	gpus     []int // the node's GPU indexes, sorted
 	src      CardSource
 	dir      string
-	policy   placement.Policy
+	policy   atomic.Int32 // placement.Policy; the node label may change it
+	resolver *Resolver    // nil: preferred allocations know no memory
 	cdiKind  string
 	interval time.Duration
 	log      *slog.Logger
@@ -71,7 +73,19 @@ func WithDir(dir string) Option { return func(p *Plugin) { p.dir = dir } }
 
 // WithPolicy sets the placement policy of preferred allocations (default
 // placement.Binpack).
-func WithPolicy(pol placement.Policy) Option { return func(p *Plugin) { p.policy = pol } }
+func WithPolicy(pol placement.Policy) Option { return func(p *Plugin) { p.SetPolicy(pol) } }
+
+// WithResolver lets preferred allocations of shares plan for the memory of
+// the container being admitted and for what the kubelet's allocations
+// already hold (Resolver.pendingMemory).
+func WithResolver(r *Resolver) Option { return func(p *Plugin) { p.resolver = r } }
+
+// SetPolicy changes the placement policy of later preferred allocations
+// (the node's ack.node.gpu.placement label changed).
+func (p *Plugin) SetPolicy(pol placement.Policy) { p.policy.Store(int32(pol)) }
+
+// Policy is the placement policy of preferred allocations.
+func (p *Plugin) Policy() placement.Policy { return placement.Policy(p.policy.Load()) }
 
 // WithCDIKind sets the CDI kind of the devices Allocate names (default
 // config.DefaultCDIKind; the node config's cdi_kind).
@@ -91,7 +105,6 @@ func New(gpus []int, src CardSource, opts ...Option) (*Plugin, error) {
 		gpus:     slices.Clone(gpus),
 		src:      src,
 		dir:      DefaultDir,
-		policy:   placement.Binpack,
 		cdiKind:  config.DefaultCDIKind,
 		interval: DefaultPollInterval,
 		log:      slog.Default(),

@@ -78,7 +78,7 @@ func (p *Plugin) serve() (*grpc.Server, <-chan error, error) {
 	pluginapi.RegisterDevicePluginServer(srv, p)
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()
-	p.log.Info("serving", "socket", path, "resource", ResourceName, "gpus", p.gpus, "placement", p.policy.String())
+	p.log.Info("serving", "socket", path, "resource", ResourceName, "gpus", p.gpus, "placement", p.Policy().String())
 	return srv, served, nil
 }
 
