@@ -23,9 +23,10 @@ const (
 type Label struct{ Key, Value string }
 
 // NodeLabels are the labels of a node whose GPUs are devs (at least one):
-// the first GPU's model and memory, the count, and the node config's
-// default compute policy. warning is not empty when the GPUs differ (the
-// labels then describe the first).
+// the first GPU's model and memory, the count, and the compute policy the
+// GPUs run (the node config's default when they run different ones).
+// warning is not empty when the GPUs differ (the labels then describe the
+// first, and the default policy).
 func NodeLabels(cfg *config.Config, devs []Info) (labels []Label, warning string, err error) {
 	if len(devs) == 0 {
 		return nil, "", fmt.Errorf("the node has no GPU, so there are no labels")
@@ -37,10 +38,21 @@ func NodeLabels(cfg *config.Config, devs []Info) (labels []Label, warning string
 			break
 		}
 	}
+	pol := cfg.Device(first.Index).ComputePolicy
+	for _, d := range devs[1:] {
+		if p := cfg.Device(d.Index).ComputePolicy; p != pol {
+			if warning != "" {
+				warning += "; "
+			}
+			warning += fmt.Sprintf("GPUs run different compute policies (%s vs %s); the label says the default, %s", pol, p, cfg.Defaults.ComputePolicy)
+			pol = cfg.Defaults.ComputePolicy
+			break
+		}
+	}
 	return []Label{
 		{LabelName, strings.ReplaceAll(first.Name, " ", "-")},
 		{LabelMemory, fmt.Sprintf("%dMiB", first.MemoryMiB())},
 		{LabelCount, fmt.Sprint(len(devs))},
-		{LabelPolicy, cfg.Defaults.ComputePolicy.String()},
+		{LabelPolicy, pol.String()},
 	}, warning, nil
 }

@@ -1,7 +1,10 @@
 #!/bin/sh
 # Installs what a single-node Kubernetes cluster of the tests needs,
-# idempotently (issue 14's test/k8s will call it; nothing runs it in CI yet):
+# idempotently (test/k8s's StartCluster skips without them; containerd comes
+# from test/e2e/deps.sh):
 #   - Debian's etcd-server (3.4 on Debian 12, which serves kube-apiserver 1.37);
+#   - Debian's containernetworking-plugins (bridge, host-local and loopback in
+#     /usr/lib/cni, for the pod network);
 #   - kube-apiserver, kube-scheduler, kube-controller-manager and kubelet,
 #     built from k8s.io/kubernetes into a cache directory.
 # Reruns do nothing when everything is there. Needs root for apt-get.
@@ -42,6 +45,21 @@ if ! dpkg-query -W -f='${Status}' etcd-server 2>/dev/null | grep -q 'install ok 
 	fi
 else
 	log "etcd-server: installed"
+fi
+
+# --- CNI plugins -------------------------------------------------------------
+if ! dpkg-query -W -f='${Status}' containernetworking-plugins 2>/dev/null | grep -q 'install ok installed'; then
+	if [ "$(id -u)" -ne 0 ]; then
+		log "need root to install containernetworking-plugins"
+		exit 1
+	fi
+	log "apt-get install containernetworking-plugins"
+	if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q containernetworking-plugins >/dev/null; then
+		apt-get update -q >/dev/null
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q containernetworking-plugins >/dev/null
+	fi
+else
+	log "containernetworking-plugins: installed"
 fi
 
 # --- the Kubernetes commands ---------------------------------------------------
