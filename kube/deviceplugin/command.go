@@ -65,6 +65,7 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	place := fs.String("placement", placement.Binpack.String(), "`POLICY` of preferred allocations across GPUs: binpack or spread (as the node label ack.node.gpu.placement)")
 	kubeconfig := fs.String("kubeconfig", "", "`FILE` of the API server's address and credentials (default $KUBECONFIG, else in-cluster)")
 	nodeName := fs.String("node-name", "", "the `NAME` of this node's Node object (default $NODE_NAME, else the host name)")
+	nodeInterval := fs.Duration("node-interval", DefaultPublishInterval, "how often to check the Node's labels and capacity and read its "+PlacementLabel+" label (`DURATION`)")
 	podResources := fs.String("pod-resources-socket", DefaultPodResourcesSocket, "the kubelet's PodResources API `SOCKET`")
 	level := fs.String("log-level", "info", "`LEVEL`: debug, info, warn or error")
 	format := fs.String("log-format", "text", "`FORMAT`: text or json")
@@ -96,6 +97,9 @@ func Command(args []string, stdout, stderr io.Writer) int {
 		return fail(2, "%v", err)
 	}
 
+	if *nodeInterval <= 0 {
+		return fail(2, "--node-interval %v: must be positive", *nodeInterval)
+	}
 	if *podResources == "" {
 		return fail(2, "--pod-resources-socket is empty")
 	}
@@ -156,7 +160,7 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	var wg sync.WaitGroup
 	agentErr := make(chan error, 1)
 	wg.Go(func() { agentErr <- ServeAgent(ctx, agentapi.Socket(cfg.RunDir), resolver, log) })
-	wg.Go(func() { NewNodePublisher(client, node, want, memory, p, pol, log).Run(ctx, DefaultPublishInterval) })
+	wg.Go(func() { NewNodePublisher(client, node, want, memory, p, pol, log).Run(ctx, *nodeInterval) })
 	runErr := make(chan error, 1)
 	wg.Go(func() { runErr <- p.Run(ctx) })
 	var status int

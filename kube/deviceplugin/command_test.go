@@ -24,6 +24,7 @@ func TestCommand(t *testing.T) {
 		{name: "unknown flag", args: []string{"--bogus"}, status: 2, stderr: "mgpu-device-plugin: flag provided but not defined: -bogus (see --help)"},
 		{name: "argument", args: []string{"now"}, status: 2, stderr: `mgpu-device-plugin: takes no arguments, got "now"`},
 		{name: "bad placement", args: []string{"--placement", "pack"}, status: 2, stderr: `mgpu-device-plugin: --placement: unknown placement "pack" (want binpack or spread)`},
+		{name: "bad node interval", args: []string{"--node-interval", "0s"}, status: 2, stderr: "--node-interval 0s: must be positive"},
 		{name: "empty directory", args: []string{"--device-plugin-dir="}, status: 2, stderr: "--device-plugin-dir is empty"},
 		{name: "bad log level", args: []string{"--log-level", "loud"}, status: 2, stderr: `bad --log-level "loud"`},
 		{name: "bad log format", args: []string{"--log-format", "xml"}, status: 2, stderr: `bad --log-format "xml"`},
