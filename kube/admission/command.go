@@ -12,10 +12,12 @@ import (
 	"os/signal"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
 	"github.com/mgpu-dev/mgpu/internal/logging"
+	"github.com/mgpu-dev/mgpu/kube/kubeclient"
 )
 
 const help = `mgpu-webhook is mgpu's mutating admission webhook for pods. It checks
@@ -30,6 +32,8 @@ wrong with a message naming the field:
 
 A pod that asks for mgpu-core gets the annotation set to its policy and a
 required node affinity to nodes labelled ` + PolicyKey + `=<policy>.
+With the API server (--kubeconfig, $KUBECONFIG or in-cluster), a pending
+pod whose policy no node runs gets a FailedScheduling event naming it.
 It serves POST ` + MutatePath + ` (AdmissionReview admission.k8s.io/v1) and GET ` + HealthPath + `
 over TLS, reading the certificate files again when they change. See
 docs/kubernetes.md.
@@ -70,6 +74,8 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	listen := fs.String("listen", ":8443", "`ADDRESS` to serve HTTPS on")
 	level := fs.String("log-level", "info", "`LEVEL`: debug, info, warn or error")
 	format := fs.String("log-format", "text", "`FORMAT`: text or json")
+	kubeconfig := fs.String("kubeconfig", "", "`FILE` of the API server, to explain pods no node's policy can take (default $KUBECONFIG, else in-cluster, else none)")
+	explain := fs.Duration("explain-interval", DefaultExplainInterval, "how often to look for such pods (`DURATION`)")
 	fail := failer("mgpu-webhook", stderr)
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -86,6 +92,9 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	if *certFile == "" || *keyFile == "" {
 		return fail(2, "--tls-cert-file and --tls-key-file are required (see --help)")
 	}
+	if *explain <= 0 {
+		return fail(2, "--explain-interval %v: must be positive", *explain)
+	}
 	log, err := logging.New(stderr, *level, *format)
 	if err != nil {
 		return fail(2, "%v", err)
@@ -94,9 +103,26 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return fail(1, "%v", err)
 	}
+	client, err := kubeclient.Client(*kubeconfig)
+	switch {
+	case errors.Is(err, kubeclient.ErrNone):
+		log.Debug("no API server: pods that no node's compute policy can take get only the scheduler's message", "err", err)
+		client = nil
+	case err != nil:
+		_ = l.Close()
+		return fail(2, "%v", err)
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	if client != nil {
+		wg.Go(func() { NewExplainer(client, log).Run(ctx, *explain) })
+	}
 	if err := Serve(ctx, l, *certFile, *keyFile, log); err != nil {
+		cancel()
 		return fail(1, "%v", err)
 	}
 	log.Info("stopped")

@@ -11,6 +11,7 @@ import (
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"sigs.k8s.io/yaml"
@@ -47,6 +48,10 @@ func TestManifest(t *testing.T) {
 		case "v1 ServiceAccount":
 			sa = &corev1.ServiceAccount{}
 			obj = sa
+		case "rbac.authorization.k8s.io/v1 ClusterRole":
+			obj = &rbacv1.ClusterRole{}
+		case "rbac.authorization.k8s.io/v1 ClusterRoleBinding":
+			obj = &rbacv1.ClusterRoleBinding{}
 		case "apps/v1 Deployment":
 			dep = &appsv1.Deployment{}
 			obj = dep
@@ -63,7 +68,7 @@ func TestManifest(t *testing.T) {
 			t.Fatalf("%s: %v", tm.Kind, err)
 		}
 	}
-	if want := []string{"ServiceAccount", "Deployment", "Service", "MutatingWebhookConfiguration"}; !slices.Equal(kind, want) {
+	if want := []string{"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "MutatingWebhookConfiguration"}; !slices.Equal(kind, want) {
 		t.Fatalf("kinds %v, want %v", kind, want)
 	}
 	for _, m := range []metav1.ObjectMeta{sa.ObjectMeta, dep.ObjectMeta, svc.ObjectMeta} {

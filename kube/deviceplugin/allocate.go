@@ -17,6 +17,14 @@ import (
 	"github.com/mgpu-dev/mgpu/kube/placement"
 )
 
+// Environment keys of an Allocate answer besides MGPU_CORE.
+const (
+	// EnvVisibleDevices tells the shim which host GPU each CUDA ordinal is.
+	EnvVisibleDevices = "MGPU_VISIBLE_DEVICES"
+	// EnvCUDAVisibleDevices lists the GPUs' UUIDs for the driver.
+	EnvCUDAVisibleDevices = "CUDA_VISIBLE_DEVICES"
+)
+
 // errPrefix starts every error the kubelet shows a user.
 const errPrefix = "mgpu-core: "
 
@@ -322,8 +330,23 @@ func (p *Plugin) allocate(ids []string) (*pluginapi.ContainerAllocateResponse, e
 		}
 		core = IDsPerGPU
 	}
+	// The container's CUDA ordinal k is its k-th GPU by index, as the
+	// driver numbers the devices a container sees: the shim maps ordinals
+	// to host GPUs (MGPU_VISIBLE_DEVICES), and the driver (or fakecuda)
+	// shows just those GPUs (CUDA_VISIBLE_DEVICES, by UUID where known).
+	host := make([]string, len(gpus))
+	uuids := make([]string, 0, len(gpus))
+	for i, g := range gpus {
+		host[i] = strconv.Itoa(g)
+		if u, ok := p.uuids[g]; ok {
+			uuids = append(uuids, u)
+		}
+	}
 	resp := &pluginapi.ContainerAllocateResponse{
-		Envs: map[string]string{hook.EnvCore: strconv.Itoa(core)},
+		Envs: map[string]string{hook.EnvCore: strconv.Itoa(core), EnvVisibleDevices: strings.Join(host, ",")},
+	}
+	if len(uuids) == len(gpus) {
+		resp.Envs[EnvCUDAVisibleDevices] = strings.Join(uuids, ",")
 	}
 	for _, g := range gpus {
 		resp.CdiDevices = append(resp.CdiDevices, &pluginapi.CDIDevice{Name: fmt.Sprintf("%s=%d", p.cdiKind, g)})

@@ -29,7 +29,11 @@ func cat(lists ...[]string) []string { return slices.Concat(lists...) }
 
 func newPlugin(t *testing.T, gpus []int, opts ...Option) *Plugin {
 	t.Helper()
-	p, err := New(gpus, newFakeCards(gpus...), append([]Option{WithLogger(testLogger())}, opts...)...)
+	uuids := map[int]string{}
+	for _, g := range gpus {
+		uuids[g] = fmt.Sprintf("GPU-%d", g)
+	}
+	p, err := New(gpus, newFakeCards(gpus...), append([]Option{WithLogger(testLogger()), WithUUIDs(uuids)}, opts...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -308,11 +312,18 @@ func TestAllocate(t *testing.T) {
 			if !slices.Equal(cdi, tc.want.cdi) {
 				t.Errorf("CDI devices %v, want %v", cdi, tc.want.cdi)
 			}
-			if want := map[string]string{"MGPU_CORE": tc.want.core}; fmt.Sprint(cr.GetEnvs()) != fmt.Sprint(want) {
+			var host, uuids []string
+			for _, c := range tc.want.cdi {
+				_, g, _ := strings.Cut(c, "=")
+				host = append(host, g)
+				uuids = append(uuids, "GPU-"+g)
+			}
+			want := map[string]string{"MGPU_CORE": tc.want.core, "MGPU_VISIBLE_DEVICES": strings.Join(host, ","), "CUDA_VISIBLE_DEVICES": strings.Join(uuids, ",")}
+			if fmt.Sprint(cr.GetEnvs()) != fmt.Sprint(want) {
 				t.Errorf("envs %v, want %v", cr.GetEnvs(), want)
 			}
 			if len(cr.GetMounts()) != 0 || len(cr.GetDevices()) != 0 || len(cr.GetAnnotations()) != 0 {
-				t.Errorf("more than CDI devices and MGPU_CORE: %v", cr)
+				t.Errorf("more than CDI devices and environment: %v", cr)
 			}
 			// Deterministic: the same IDs, in any order, give the same
 			// answer.

@@ -12,14 +12,11 @@ import (
 	"sync"
 	"syscall"
 
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
-
 	"github.com/mgpu-dev/mgpu/internal/config"
 	"github.com/mgpu-dev/mgpu/internal/device"
 	"github.com/mgpu-dev/mgpu/internal/logging"
 	"github.com/mgpu-dev/mgpu/kube/agentapi"
+	"github.com/mgpu-dev/mgpu/kube/kubeclient"
 	"github.com/mgpu-dev/mgpu/kube/placement"
 )
 
@@ -112,13 +109,9 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return fail(2, "%v", err)
 	}
-	restCfg, err := kubeConfig(*kubeconfig)
+	client, err := kubeclient.Client(*kubeconfig)
 	if err != nil {
 		return fail(2, "%v", err)
-	}
-	client, err := kubernetes.NewForConfig(restCfg)
-	if err != nil {
-		return fail(2, "the API server: %v", err)
 	}
 	devs, err := device.List(cfg)
 	if err != nil {
@@ -137,9 +130,13 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	}
 	var memory uint64
 	gpus := make([]int, len(devs))
+	uuids := map[int]string{}
 	for i, d := range devs {
 		gpus[i] = d.Index
 		memory += d.MemoryMiB()
+		if d.UUID != "" {
+			uuids[d.Index] = d.UUID
+		}
 	}
 	allocs, err := NewPodResources(*podResources)
 	if err != nil {
@@ -148,7 +145,7 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	defer func() { _ = allocs.Close() }()
 	resolver := NewResolver(node, gpus, NewAPIPods(client, node), allocs)
 	p, err := New(gpus, NewEnforcerCards(cfg, gpus),
-		WithDir(*dir), WithPolicy(pol), WithCDIKind(cfg.CDIKind), WithResolver(resolver), WithLogger(log))
+		WithDir(*dir), WithPolicy(pol), WithCDIKind(cfg.CDIKind), WithResolver(resolver), WithUUIDs(uuids), WithLogger(log))
 	if err != nil {
 		return fail(1, "%v", err)
 	}
@@ -195,24 +192,4 @@ func resolveNodeName(flagValue string) (string, error) {
 		return "", fmt.Errorf("no node name: set --node-name or $NODE_NAME (the host name is not known: %w)", err)
 	}
 	return strings.ToLower(h), nil
-}
-
-// kubeConfig is the API server's configuration: --kubeconfig, else
-// $KUBECONFIG, else the pod's service account.
-func kubeConfig(path string) (*rest.Config, error) {
-	if path == "" {
-		path = os.Getenv("KUBECONFIG")
-	}
-	if path != "" {
-		c, err := clientcmd.BuildConfigFromFlags("", path)
-		if err != nil {
-			return nil, fmt.Errorf("--kubeconfig %s: %w", path, err)
-		}
-		return c, nil
-	}
-	c, err := rest.InClusterConfig()
-	if err != nil {
-		return nil, fmt.Errorf("no API server: set --kubeconfig FILE or $KUBECONFIG, or run in a pod with a service account (%w)", err)
-	}
-	return c, nil
 }

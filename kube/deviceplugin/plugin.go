@@ -14,6 +14,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -56,6 +57,7 @@ type Plugin struct {
 	dir      string
 	policy   atomic.Int32 // placement.Policy; the node label may change it
 	resolver *Resolver    // nil: preferred allocations know no memory
+	uuids    map[int]string
 	cdiKind  string
 	interval time.Duration
 	log      *slog.Logger
@@ -74,6 +76,10 @@ func WithDir(dir string) Option { return func(p *Plugin) { p.dir = dir } }
 // WithPolicy sets the placement policy of preferred allocations (default
 // placement.Binpack).
 func WithPolicy(pol placement.Policy) Option { return func(p *Plugin) { p.SetPolicy(pol) } }
+
+// WithUUIDs names the GPUs' UUIDs (by index), which Allocate passes as
+// CUDA_VISIBLE_DEVICES.
+func WithUUIDs(uuids map[int]string) Option { return func(p *Plugin) { p.uuids = maps.Clone(uuids) } }
 
 // WithResolver lets preferred allocations of shares plan for the memory of
 // the container being admitted and for what the kubelet's allocations

@@ -1,0 +1,941 @@
+package k8s
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/yaml"
+
+	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/kube/admission"
+	"github.com/mgpu-dev/mgpu/test/e2e"
+	"github.com/mgpu-dev/mgpu/test/fakecuda"
+	"github.com/mgpu-dev/mgpu/test/harness"
+)
+
+// Keys of the seed's Deployment.
+const (
+	coreKey   corev1.ResourceName = "vke.volcengine.com/mgpu-core"
+	memoryKey corev1.ResourceName = "vke.volcengine.com/mgpu-memory"
+	policyKey                     = "vke.volcengine.com/mgpu-compute-policy"
+	// gpuMiB is each simulated GPU's memory (80 GiB).
+	gpuMiB = 81920
+	// epsilon is the normative tolerance of a share, in points.
+	epsilon = 2.0
+)
+
+// mgpuNode is a cluster with mgpu installed from the build: two simulated
+// 80 GiB GPUs and their enforcers, the CDI spec, the device plugin (node
+// agent) with the manifest's ServiceAccount, and the admission webhook.
+type mgpuNode struct {
+	*Cluster
+	n      *e2e.Node
+	plugin *exec.Cmd
+	log    string // the plugin's log
+}
+
+// startMGPU sets everything up; policy is what both GPUs run.
+func startMGPU(t *testing.T, policy string) *mgpuNode {
+	t.Helper()
+	image := workloadImage(t)
+	n, err := e2e.NewNode(e2e.NodeOptions{Devices: 2, MemoryMiB: gpuMiB, Policies: map[int]string{0: policy, 1: policy}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := n.Close(); err != nil {
+			t.Errorf("mgpu node: %v", err)
+		}
+	})
+	for dev := range 2 {
+		if err := n.StartEnforcer(dev); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The CDI spec of the node's kind (cdi_kind, which Allocate names).
+	spec := filepath.Join(e2e.CDISpecDir, fmt.Sprintf("mgpu-k8s-%d.yaml", os.Getpid()))
+	if out, err := exec.Command(n.CLI, "--config", n.ConfigPath, "cdi", "generate", "--output", spec).CombinedOutput(); err != nil { //nolint:gosec // the build's CLI
+		t.Fatalf("mgpu-cli cdi generate: %v\n%s", err, out)
+	}
+	t.Cleanup(func() { _ = os.Remove(spec) })
+
+	c := StartCluster(t, Options{CDISpecDirs: []string{e2e.CDISpecDir}})
+	c.ImportImage(t, image)
+	m := &mgpuNode{Cluster: c, n: n}
+	m.startWebhook(t)
+	m.startPlugin(t)
+	return m
+}
+
+// startWebhook serves bin/mgpu-webhook on loopback with a certificate of
+// its `cert` command and registers it.
+func (m *mgpuNode) startWebhook(t *testing.T) {
+	t.Helper()
+	bin, err := buildBin("mgpu-webhook")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(m.Dir, "webhook")
+	if out, err := exec.Command(bin, "cert", "--out", dir, "--ip", "127.0.0.1").CombinedOutput(); err != nil { //nolint:gosec // the build's binary
+		t.Fatalf("mgpu-webhook cert: %v\n%s", err, out)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	_ = l.Close()
+	logf, err := os.Create(filepath.Join(dir, "webhook.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, "--listen", addr, "--tls-cert-file", filepath.Join(dir, admission.CertFile), //nolint:gosec // the build's binary
+		"--tls-key-file", filepath.Join(dir, admission.KeyFile), "--kubeconfig", m.AdminKubeconfig, "--explain-interval", "2s")
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		_ = logf.Close()
+		if t.Failed() {
+			data, _ := os.ReadFile(logf.Name())
+			t.Logf("mgpu-webhook log:\n%s", tailLines(string(data), 40))
+		}
+	})
+	ca, err := os.ReadFile(filepath.Join(dir, admission.CAFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	wh := admission.WebhookConfiguration("mgpu-policy", admission.URLClient("https://"+addr+"/mutate", ca))
+	ctx := context.Background()
+	if _, err := m.Client.AdmissionregistrationV1().MutatingWebhookConfigurations().Create(ctx, wh, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// The webhook is in force once a denial comes back from it.
+	bad := workloadPod("probe", "", 150, 1, "sleep 1")
+	err = harness.WaitFor(30*time.Second, func() error {
+		_, err := m.Client.CoreV1().Pods("default").Create(ctx, bad, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		if err != nil && strings.Contains(err.Error(), string(coreKey)) {
+			return nil
+		}
+		return fmt.Errorf("a pod of core 150 is not denied yet: %w", err)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// buildBin is a program of `make build`.
+func buildBin(name string) (string, error) {
+	build, err := fakecuda.BuildDir()
+	if err != nil {
+		return "", err
+	}
+	p := filepath.Join(build, "bin", name)
+	if _, err := os.Stat(p); err != nil {
+		return "", fmt.Errorf("%s: run make build", p)
+	}
+	return p, nil
+}
+
+// startPlugin applies the manifest's RBAC and runs bin/mgpu-device-plugin
+// on the host (the node-image path) with its ServiceAccount's token, then
+// waits for the node's mgpu resources and labels.
+func (m *mgpuNode) startPlugin(t *testing.T) {
+	t.Helper()
+	bin, err := buildBin("mgpu-device-plugin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	applyRBAC(t, m.Cluster)
+	kubeconfig := m.ServiceAccountKubeconfig(t, "kube-system", "mgpu-node-agent")
+	m.log = filepath.Join(m.Dir, "device-plugin.log")
+	logf, err := os.Create(m.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, "--config", m.n.ConfigPath, "--kubeconfig", kubeconfig, //nolint:gosec // the build's binary
+		"--node-name", m.NodeName, "--node-interval", "1s", "--log-level", "debug")
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	m.plugin = cmd
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(os.Interrupt)
+		done := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+		}
+		_ = logf.Close()
+		if t.Failed() {
+			data, _ := os.ReadFile(m.log)
+			t.Logf("mgpu-device-plugin log:\n%s", tailLines(string(data), 60))
+		}
+	})
+	m.waitResources(t, 60*time.Second)
+}
+
+// waitResources waits until the node offers 200 mgpu-core and all the
+// GPUs' memory.
+func (m *mgpuNode) waitResources(t *testing.T, within time.Duration) {
+	t.Helper()
+	err := harness.WaitFor(within, func() error {
+		node, err := m.Client.CoreV1().Nodes().Get(context.Background(), m.NodeName, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		core, mem := node.Status.Allocatable[coreKey], node.Status.Allocatable[memoryKey]
+		if core.Value() != 200 || mem.Value() != 2*gpuMiB || node.Labels["vke.node.gpu.schedule"] != "mgpu" {
+			return fmt.Errorf("node allocatable %s=%s %s=%s, labels %v", coreKey, core.String(), memoryKey, mem.String(), node.Labels)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// applyRBAC creates the ServiceAccount, ClusterRole and ClusterRoleBinding
+// of packaging/kubernetes/node-agent.yaml.
+func applyRBAC(t *testing.T, c *Cluster) {
+	t.Helper()
+	data, err := os.ReadFile("../../packaging/kubernetes/node-agent.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for _, doc := range bytes.Split(data, []byte("\n---\n")) {
+		var meta struct{ Kind string }
+		if err := yaml.Unmarshal(doc, &meta); err != nil {
+			t.Fatal(err)
+		}
+		switch meta.Kind {
+		case "ServiceAccount":
+			var o corev1.ServiceAccount
+			mustDecode(t, doc, &o)
+			_, err = c.Client.CoreV1().ServiceAccounts(o.Namespace).Create(ctx, &o, metav1.CreateOptions{})
+		case "ClusterRole":
+			var o rbacv1.ClusterRole
+			mustDecode(t, doc, &o)
+			_, err = c.Client.RbacV1().ClusterRoles().Create(ctx, &o, metav1.CreateOptions{})
+		case "ClusterRoleBinding":
+			var o rbacv1.ClusterRoleBinding
+			mustDecode(t, doc, &o)
+			_, err = c.Client.RbacV1().ClusterRoleBindings().Create(ctx, &o, metav1.CreateOptions{})
+		default:
+			continue
+		}
+		if err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatalf("%s: %v", meta.Kind, err)
+		}
+	}
+}
+
+func mustDecode(t *testing.T, doc []byte, obj any) {
+	t.Helper()
+	if err := yaml.UnmarshalStrict(doc, obj); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func tailLines(s string, n int) string {
+	l := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(l) > n {
+		l = l[len(l)-n:]
+	}
+	return strings.Join(l, "\n")
+}
+
+// workloadPod is a pod of the workload image that runs script under sh,
+// with the seed's requests (requests = limits; 0: not set) and policy
+// annotation ("" for none), and what it needs of the simulated GPU.
+func workloadPod(name, policy string, core, memoryMiB int, script string) *corev1.Pod {
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "default", Annotations: policyAnnotation(policy)},
+		Spec:       podSpec(core, memoryMiB, script),
+	}
+}
+
+func policyAnnotation(policy string) map[string]string {
+	if policy == "" {
+		return nil
+	}
+	return map[string]string{policyKey: policy}
+}
+
+// fakeState is the simulated GPU's state directory, shared by the host's
+// enforcers and the containers (set by startMGPU's node).
+var fakeState string
+
+func podSpec(core, memoryMiB int, script string) corev1.PodSpec {
+	res := corev1.ResourceList{}
+	if core != 0 {
+		res[coreKey] = *resource.NewQuantity(int64(core), resource.DecimalSI)
+	}
+	if memoryMiB != 0 {
+		res[memoryKey] = *resource.NewQuantity(int64(memoryMiB), resource.DecimalSI)
+	}
+	var env []corev1.EnvVar
+	for _, kv := range fakeEnv {
+		k, v, _ := strings.Cut(kv, "=")
+		env = append(env, corev1.EnvVar{Name: k, Value: v})
+	}
+	grace := int64(2)
+	return corev1.PodSpec{
+		RestartPolicy:                 corev1.RestartPolicyAlways,
+		TerminationGracePeriodSeconds: &grace,
+		Containers: []corev1.Container{{
+			Name:            "main",
+			Image:           WorkloadImage,
+			ImagePullPolicy: corev1.PullNever,
+			Command:         []string{"/bin/sh", "-c", script},
+			Env:             env,
+			Resources:       corev1.ResourceRequirements{Requests: res, Limits: res},
+			VolumeMounts:    []corev1.VolumeMount{{Name: "fakecuda", MountPath: fakeState}},
+		}},
+		Volumes: []corev1.Volume{{Name: "fakecuda", VolumeSource: corev1.VolumeSource{
+			HostPath: &corev1.HostPathVolumeSource{Path: fakeState},
+		}}},
+	}
+}
+
+var fakeEnv []string
+
+// seedDeployment is seed 000's Deployment with the workload image.
+func seedDeployment(name, policy string, core, memoryMiB int, script string) *appsv1.Deployment {
+	one := int32(1)
+	labels := map[string]string{"app": name}
+	return &appsv1.Deployment{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "default"},
+		Spec: appsv1.DeploymentSpec{
+			Replicas: &one,
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: labels, Annotations: policyAnnotation(policy)},
+				Spec:       podSpec(core, memoryMiB, script),
+			},
+		},
+	}
+}
+
+// saturate is a workload that reports its memory and keeps the GPU busy
+// for secs.
+func saturate(secs int) string {
+	return fmt.Sprintf("/bin/mgpu-workload info; exec /bin/mgpu-workload compute --api launch --kernel-us 100 --depth 64 --seconds %d", secs)
+}
+
+// idle waits, as a workload that has nothing to do, and exits on SIGTERM
+// (a container's init has no default signal action).
+const idle = "trap 'exit 0' TERM; sleep 3600 & wait"
+
+// deploy creates a Deployment and returns its one pod once it exists.
+func (m *mgpuNode) deploy(t *testing.T, d *appsv1.Deployment) *corev1.Pod {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := m.Client.AppsV1().Deployments("default").Create(ctx, d, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.deleteDeployment(t, d.Name) })
+	var pod *corev1.Pod
+	err := harness.WaitFor(60*time.Second, func() error {
+		l, err := m.Client.CoreV1().Pods("default").List(ctx, metav1.ListOptions{LabelSelector: "app=" + d.Name})
+		if err != nil {
+			return err
+		}
+		if len(l.Items) != 1 {
+			return fmt.Errorf("deployment %s has %d pods", d.Name, len(l.Items))
+		}
+		pod = &l.Items[0]
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pod
+}
+
+func (m *mgpuNode) deleteDeployment(t *testing.T, name string) {
+	ctx := context.Background()
+	if l, err := m.Client.CoreV1().Pods("default").List(ctx, metav1.ListOptions{LabelSelector: "app=" + name}); err == nil {
+		defer m.waitReleased(t, l.Items)
+	}
+	fg := metav1.DeletePropagationForeground
+	err := m.Client.AppsV1().Deployments("default").Delete(ctx, name, metav1.DeleteOptions{PropagationPolicy: &fg})
+	if err != nil && !apierrors.IsNotFound(err) {
+		t.Errorf("delete deployment %s: %v", name, err)
+	}
+	m.waitNoPods(t, "app="+name)
+}
+
+func (m *mgpuNode) waitNoPods(t *testing.T, selector string) {
+	t.Helper()
+	err := harness.WaitFor(60*time.Second, func() error {
+		l, err := m.Client.CoreV1().Pods("default").List(context.Background(), metav1.ListOptions{LabelSelector: selector})
+		if err != nil {
+			return err
+		}
+		if len(l.Items) > 0 {
+			return fmt.Errorf("%d pods of %s left", len(l.Items), selector)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Error(err)
+	}
+}
+
+// containerID is the CRI id of a running pod's container.
+func containerID(t *testing.T, pod *corev1.Pod) string {
+	t.Helper()
+	for _, s := range pod.Status.ContainerStatuses {
+		if s.Name == "main" && s.ContainerID != "" {
+			_, id, _ := strings.Cut(s.ContainerID, "://")
+			return id
+		}
+	}
+	t.Fatalf("pod %s has no container id: %+v", pod.Name, pod.Status.ContainerStatuses)
+	return ""
+}
+
+// instanceOf is the mgpu instance of a pod's container.
+func (m *mgpuNode) instanceOf(t *testing.T, pod *corev1.Pod) api.Instance {
+	t.Helper()
+	id := containerID(t, pod)
+	insts, err := m.n.Instances()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, in := range insts {
+		if in.ContainerID == id {
+			return in
+		}
+	}
+	t.Fatalf("no instance of pod %s (container %s) among %+v", pod.Name, id, insts)
+	return api.Instance{}
+}
+
+// running waits until pod ns/name runs and its log says ready.
+func (m *mgpuNode) running(t *testing.T, name, ready string) *corev1.Pod {
+	t.Helper()
+	m.WaitPodPhase(t, "default", name, corev1.PodRunning, 90*time.Second)
+	err := harness.WaitFor(30*time.Second, func() error {
+		if log := m.PodLog(t, "default", name, "main"); !strings.Contains(log, ready) {
+			return fmt.Errorf("pod %s has not printed %q:\n%s", name, ready, log)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod, err := m.Client.CoreV1().Pods("default").Get(context.Background(), name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pod
+}
+
+// sample is the simulated device 0's busy time per pid namespace.
+type sample struct {
+	at   time.Time
+	busy map[uint64]uint64
+}
+
+func (m *mgpuNode) sample(t *testing.T) sample {
+	t.Helper()
+	t0 := time.Now()
+	st, err := m.n.Stat()
+	t1 := time.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	at, ok := harness.MonoTime(st.AtNs)
+	if !ok {
+		at = t0.Add(t1.Sub(t0) / 2)
+	}
+	s := sample{at: at, busy: map[uint64]uint64{}}
+	for _, dev := range st.Devices {
+		for _, p := range dev.Procs {
+			s.busy[p.PIDNS] += p.BusyNs
+		}
+	}
+	return s
+}
+
+// shares measures each pod's share of its GPU over win after warm.
+func (m *mgpuNode) shares(t *testing.T, pods []*corev1.Pod, warm, win time.Duration) []float64 {
+	t.Helper()
+	var nss []uint64
+	for _, p := range pods {
+		ns, err := e2e.PIDNamespace(m.instanceOf(t, p).PID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		nss = append(nss, ns)
+	}
+	time.Sleep(warm) // settling before the window, not synchronisation
+	a := m.sample(t)
+	time.Sleep(win) // the measurement window
+	b := m.sample(t)
+	out := make([]float64, len(nss))
+	for i, ns := range nss {
+		out[i] = 100 * float64(b.busy[ns]-a.busy[ns]) / float64(b.at.Sub(a.at))
+	}
+	return out
+}
+
+// TestMGPU runs seed 000's scenarios on a node labelled
+// guaranteed-burst-share, one cluster for all.
+func TestMGPU(t *testing.T) {
+	m := startMGPU(t, "guaranteed-burst-share")
+	fakeEnvOf(m)
+
+	t.Run("SeedDeployment", func(t *testing.T) { testSeed(t, m) })
+	t.Run("PolicyScheduling", func(t *testing.T) { testPolicyScheduling(t, m) })
+	t.Run("InvalidRequests", func(t *testing.T) { testInvalid(t, m) })
+	t.Run("Placement", func(t *testing.T) { testPlacement(t, m) })
+	t.Run("TenPods", func(t *testing.T) { testTenPods(t, m) })
+	t.Run("KubeletRestart", func(t *testing.T) { testKubeletRestart(t, m) })
+}
+
+func fakeEnvOf(m *mgpuNode) {
+	fakeEnv = m.n.FakeEnv()
+	fakeState = m.n.FakeState
+}
+
+func testSeed(t *testing.T, m *mgpuNode) {
+	p30 := m.deploy(t, seedDeployment("seed", "guaranteed-burst-share", 30, 4096, saturate(3600)))
+	p30 = m.running(t, p30.Name, "start")
+	if log := m.PodLog(t, "default", p30.Name, "main"); !strings.Contains(log, "mem_total=4294967296") {
+		t.Errorf("cuMemGetInfo in the container does not say 4096 MiB:\n%s", log)
+	}
+	in := m.instanceOf(t, p30)
+	if in.Core != 30 || in.MemoryMiB != 4096 || in.Policy != "guaranteed-burst-share" {
+		t.Errorf("instance %+v, want core 30, 4096 MiB, guaranteed-burst-share", in)
+	}
+	// The 70 runs 20 s, then idles (its container stays, its instance too).
+	p70 := m.deploy(t, seedDeployment("seed70", "guaranteed-burst-share", 70, 4096, "/bin/mgpu-workload info; /bin/mgpu-workload compute --api launch --kernel-us 100 --depth 64 --seconds 20; echo idle; "+idle))
+	p70 = m.running(t, p70.Name, "start")
+	if g30, g70 := m.instanceOf(t, p30).Device, m.instanceOf(t, p70).Device; g30 != g70 {
+		t.Fatalf("the 30 is on GPU %d and the 70 on GPU %d: binpack puts them on one", g30, g70)
+	}
+	s := m.shares(t, []*corev1.Pod{p30, p70}, 2*time.Second, 5*time.Second)
+	t.Logf("30 / 70 both busy: %.2f / %.2f", s[0], s[1])
+	if math.Abs(s[0]-30) > epsilon || math.Abs(s[1]-70) > epsilon {
+		t.Errorf("shares %.2f / %.2f, want 30 / 70 ± %.0f", s[0], s[1], epsilon)
+	}
+	m.running(t, p70.Name, "idle")
+	s = m.shares(t, []*corev1.Pod{p30}, time.Second, 5*time.Second)
+	t.Logf("30 beside an idle 70: %.2f", s[0])
+	if s[0] < 95 {
+		t.Errorf("the 30 beside an idle 70 got %.2f%%, want >= 95", s[0])
+	}
+	m.testRelease(t, p70)
+}
+
+// testRelease deletes a pod and checks that its instance goes within 2 s.
+func (m *mgpuNode) testRelease(t *testing.T, pod *corev1.Pod) {
+	t.Helper()
+	in := m.instanceOf(t, pod)
+	ctx := context.Background()
+	start := time.Now()
+	if err := m.Client.CoreV1().Pods("default").Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := harness.WaitFor(10*time.Second, func() error {
+		insts, err := m.n.Instances()
+		if err != nil {
+			return err
+		}
+		if slices.ContainsFunc(insts, func(i api.Instance) bool { return i.Name == in.Name }) {
+			return errors.New("instance " + in.Name + " still there")
+		}
+		return nil
+	})
+	took := time.Since(start)
+	t.Logf("pod %s deleted: instance %s released after %v", pod.Name, in.Name, took.Round(time.Millisecond))
+	if err != nil || took > 2*time.Second {
+		t.Errorf("instance %s of deleted pod %s released after %v (%v), want within 2s", in.Name, pod.Name, took, err)
+	}
+}
+
+// testPolicyScheduling: a fixed-share Deployment, and one without an
+// annotation (fixed-share by default), stay Pending on a
+// guaranteed-burst-share node with a FailedScheduling event naming the
+// policy; a node that runs fixed-share takes the one without annotation.
+func testPolicyScheduling(t *testing.T, m *mgpuNode) {
+	for _, tc := range []struct{ name, policy string }{{"fixed", "fixed-share"}, {"noannotation", ""}} {
+		pod := m.deploy(t, seedDeployment(tc.name, tc.policy, 30, 4096, saturate(3600)))
+		ev := m.waitEvent(t, pod.Name, "FailedScheduling", "fixed-share", 60*time.Second)
+		t.Logf("%s: FailedScheduling: %s", tc.name, ev.Message)
+		p, err := m.Client.CoreV1().Pods("default").Get(context.Background(), pod.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.Status.Phase != corev1.PodPending {
+			t.Errorf("%s is %s, want Pending", pod.Name, p.Status.Phase)
+		}
+	}
+	// Label the node fixed-share as a node that runs it would be (the
+	// scheduler only sees the label): the pod without annotation runs.
+	// The agent sets the label back to what the GPUs run within its
+	// interval; by then the pod is bound.
+	m.deleteDeployment(t, "fixed")
+	patch := fmt.Sprintf(`{"metadata":{"labels":{%q:"fixed-share"}}}`, policyKey)
+	if _, err := m.Client.CoreV1().Nodes().Patch(context.Background(), m.NodeName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	_ = m.waitBound(t, "app=noannotation", 30*time.Second)
+	m.deleteDeployment(t, "noannotation")
+	err := harness.WaitFor(30*time.Second, func() error {
+		node, err := m.Client.CoreV1().Nodes().Get(context.Background(), m.NodeName, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if v := node.Labels[policyKey]; v != "guaranteed-burst-share" {
+			return fmt.Errorf("label %s=%s", policyKey, v)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Errorf("the agent did not set the policy label back: %v", err)
+	}
+}
+
+// describe is a pod's status and events, without the kubelet's log.
+func (m *mgpuNode) describe(name string) string {
+	pod, err := m.Client.CoreV1().Pods("default").Get(context.Background(), name, metav1.GetOptions{})
+	if err != nil {
+		pod = nil
+	}
+	d, _, _ := strings.Cut(m.DescribePod("default", name, pod), "kubelet log, the end:")
+	return d
+}
+
+// waitBound waits until the pod of selector is bound to the node.
+func (m *mgpuNode) waitBound(t *testing.T, selector string, within time.Duration) *corev1.Pod {
+	t.Helper()
+	var pod *corev1.Pod
+	err := harness.WaitFor(within, func() error {
+		l, err := m.Client.CoreV1().Pods("default").List(context.Background(), metav1.ListOptions{LabelSelector: selector})
+		if err != nil {
+			return err
+		}
+		for i := range l.Items {
+			if l.Items[i].Spec.NodeName == m.NodeName {
+				pod = &l.Items[i]
+				return nil
+			}
+		}
+		return fmt.Errorf("no pod of %s is bound", selector)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pod
+}
+
+// waitEvent waits for an event of pod name with reason whose message
+// contains s.
+func (m *mgpuNode) waitEvent(t *testing.T, name, reason, s string, within time.Duration) corev1.Event {
+	t.Helper()
+	var found corev1.Event
+	var seen []string
+	err := harness.WaitFor(within, func() error {
+		evs, err := m.Events("default", name)
+		if err != nil {
+			return err
+		}
+		seen = seen[:0]
+		for _, e := range evs {
+			seen = append(seen, e.Reason+": "+e.Message)
+			if e.Reason == reason && strings.Contains(e.Message, s) {
+				found = e
+				return nil
+			}
+		}
+		return fmt.Errorf("no %s event naming %q", reason, s)
+	})
+	if err != nil {
+		t.Fatalf("pod %s: %v; events:\n%s\n%s", name, err, strings.Join(seen, "\n"), m.describe(name))
+	}
+	return found
+}
+
+// testInvalid: the webhook denies bad requests at creation, naming the field.
+func testInvalid(t *testing.T, m *mgpuNode) {
+	for _, tc := range []struct {
+		name         string
+		policy       string
+		core, memory int
+		want1, want2 string
+	}{
+		{"core0", "", 0, 4096, string(coreKey), "0 is not"},
+		{"core150", "", 150, 4096, string(coreKey), "150"},
+		{"nomemory", "", 30, 0, string(memoryKey), "30"},
+		{"policy", "greedy", 30, 4096, policyKey, "greedy"},
+	} {
+		pod := workloadPod("bad-"+tc.name, tc.policy, tc.core, tc.memory, "true")
+		if tc.name == "core0" {
+			pod.Spec.Containers[0].Resources.Limits[coreKey] = resource.MustParse("0")
+			pod.Spec.Containers[0].Resources.Requests[coreKey] = resource.MustParse("0")
+		}
+		_, err := m.Client.CoreV1().Pods("default").Create(context.Background(), pod, metav1.CreateOptions{})
+		if err == nil {
+			t.Errorf("%s: created", tc.name)
+			continue
+		}
+		t.Logf("%s: %v", tc.name, err)
+		if !strings.Contains(err.Error(), tc.want1) || !strings.Contains(err.Error(), tc.want2) {
+			t.Errorf("%s: denial %q does not name %q and %q", tc.name, err, tc.want1, tc.want2)
+		}
+	}
+}
+
+// testPlacement: binpack puts shares on GPU 0 while it has room; with the
+// node labelled ack.node.gpu.placement=spread they go to the emptier GPU.
+func testPlacement(t *testing.T, m *mgpuNode) {
+	gpuOf := func(name string, core int) int {
+		pod := workloadPod(name, "guaranteed-burst-share", core, 1024, "echo ready; "+idle)
+		pod.Labels = map[string]string{"test": "placement"}
+		if _, err := m.Client.CoreV1().Pods("default").Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		return m.instanceOf(t, m.running(t, name, "ready")).Device
+	}
+	defer m.deleteAll(t, "test=placement")
+	if a, b := gpuOf("bin-a", 20), gpuOf("bin-b", 20); a != 0 || b != 0 {
+		t.Errorf("binpack: GPUs %d and %d, want 0 and 0", a, b)
+	}
+	m.setPlacement(t, "spread")
+	defer m.setPlacement(t, "")
+	if c := gpuOf("spread-c", 20); c != 1 {
+		t.Errorf("spread: GPU %d, want 1 (GPU 0 has 40%% taken)", c)
+	}
+	if d := gpuOf("spread-d", 30); d != 1 {
+		t.Errorf("spread: GPU %d, want 1 (GPU 0 has 60%% free, GPU 1 80%%)", d)
+	}
+}
+
+// setPlacement labels the node (empty: removes the label) and waits until
+// the plugin has read it.
+func (m *mgpuNode) setPlacement(t *testing.T, value string) {
+	t.Helper()
+	patch := fmt.Sprintf(`{"metadata":{"labels":{"ack.node.gpu.placement":%q}}}`, value)
+	if value == "" {
+		patch = `{"metadata":{"labels":{"ack.node.gpu.placement":null}}}`
+	}
+	if _, err := m.Client.CoreV1().Nodes().Patch(context.Background(), m.NodeName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	want := "policy=" + value
+	if value == "" {
+		want = "policy=binpack"
+	}
+	err := harness.WaitFor(10*time.Second, func() error {
+		data, err := os.ReadFile(m.log)
+		if err != nil {
+			return err
+		}
+		lines := strings.Split(string(data), "\n")
+		for i := len(lines) - 1; i >= 0; i-- {
+			if strings.Contains(lines[i], `msg=placement`) {
+				if strings.Contains(lines[i], want) {
+					return nil
+				}
+				break
+			}
+		}
+		return fmt.Errorf("the plugin has not logged placement %s", want)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (m *mgpuNode) deleteAll(t *testing.T, selector string) {
+	ctx := context.Background()
+	l, err := m.Client.CoreV1().Pods("default").List(ctx, metav1.ListOptions{LabelSelector: selector})
+	if err != nil {
+		t.Errorf("pods %s: %v", selector, err)
+		return
+	}
+	err = m.Client.CoreV1().Pods("default").DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{LabelSelector: selector})
+	if err != nil {
+		t.Errorf("delete pods %s: %v", selector, err)
+	}
+	m.waitNoPods(t, selector)
+	m.waitReleased(t, l.Items)
+}
+
+// waitReleased waits until no instance is of a container of pods.
+func (m *mgpuNode) waitReleased(t *testing.T, pods []corev1.Pod) {
+	ids := map[string]bool{}
+	for _, p := range pods {
+		for _, s := range p.Status.ContainerStatuses {
+			if _, id, ok := strings.Cut(s.ContainerID, "://"); ok {
+				ids[id] = true
+			}
+		}
+	}
+	err := harness.WaitFor(30*time.Second, func() error {
+		insts, err := m.n.Instances()
+		if err != nil {
+			return err
+		}
+		for _, in := range insts {
+			if ids[in.ContainerID] {
+				return fmt.Errorf("instance %s of a deleted pod is still there", in.Name)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Error(err)
+	}
+}
+
+// testTenPods creates ten pods of mixed requests at once on the two 80 GiB
+// GPUs: each that runs has exactly its own quota, no card is
+// over-committed, and each that does not run says why and fits no card.
+func testTenPods(t *testing.T, m *mgpuNode) {
+	type req struct{ core, mem int }
+	reqs := []req{{50, 40000}, {30, 30000}, {60, 20000}, {20, 50000}, {100, 0}, {10, 10000}, {40, 30000}, {30, 70000}, {90, 1000}, {5, 2000}}
+	ctx := context.Background()
+	defer m.deleteAll(t, "test=ten")
+	for i, r := range reqs {
+		pod := workloadPod(fmt.Sprintf("ten-%d", i), "guaranteed-burst-share", r.core, r.mem, "/bin/mgpu-workload info; echo ready; "+idle)
+		pod.Labels = map[string]string{"test": "ten"}
+		if _, err := m.Client.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Settled: no pod changes phase or readiness for 10 s.
+	var last string
+	var stableSince time.Time
+	var pods []corev1.Pod
+	err := harness.WaitFor(150*time.Second, func() error {
+		l, err := m.Client.CoreV1().Pods("default").List(ctx, metav1.ListOptions{LabelSelector: "test=ten"})
+		if err != nil {
+			return err
+		}
+		var b strings.Builder
+		for _, p := range l.Items {
+			ready := len(p.Status.ContainerStatuses) > 0 && p.Status.ContainerStatuses[0].Ready
+			fmt.Fprintf(&b, "%s=%s/%v ", p.Name, p.Status.Phase, ready)
+		}
+		if b.String() != last {
+			last, stableSince = b.String(), time.Now()
+		}
+		pods = l.Items
+		if time.Since(stableSince) < 10*time.Second {
+			return errors.New("pods still change: " + last)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("settled: %s", last)
+	insts, err := m.n.Instances()
+	if err != nil {
+		t.Fatal(err)
+	}
+	core := map[int]int{}
+	mem := map[int]uint64{}
+	for _, in := range insts {
+		core[in.Device] += in.Core
+		mem[in.Device] += in.MemoryMiB
+	}
+	for g := range 2 {
+		t.Logf("GPU %d: core %d, memory %d MiB", g, core[g], mem[g])
+		if core[g] > 100 || mem[g] > gpuMiB {
+			t.Errorf("GPU %d over-committed: core %d, memory %d MiB", g, core[g], mem[g])
+		}
+	}
+	for _, p := range pods {
+		i, _ := strconv.Atoi(strings.TrimPrefix(p.Name, "ten-"))
+		r := reqs[i]
+		ready := len(p.Status.ContainerStatuses) > 0 && p.Status.ContainerStatuses[0].Ready
+		if p.Status.Phase == corev1.PodRunning && ready {
+			in := m.instanceOf(t, &p)
+			wantMem := uint64(r.mem)
+			if r.core == 100 {
+				wantMem = gpuMiB
+			}
+			if in.Core != r.core || in.MemoryMiB != wantMem {
+				t.Errorf("%s asks core %d and %d MiB, its instance has %d and %d", p.Name, r.core, r.mem, in.Core, in.MemoryMiB)
+			}
+			wantTotal := fmt.Sprintf("mem_total=%d", wantMem<<20)
+			if log := m.PodLog(t, "default", p.Name, "main"); !strings.Contains(log, wantTotal) {
+				t.Errorf("%s: the container does not see %d MiB:\n%s\n%s", p.Name, wantMem, log, m.describe(p.Name))
+			}
+			continue
+		}
+		t.Logf("%s (core %d, %d MiB) does not run: %s", p.Name, r.core, r.mem, m.describe(p.Name))
+		for g := range 2 {
+			fitsCore := core[g]+r.core <= 100 && (r.core < 100 || core[g] == 0)
+			fitsMem := mem[g]+uint64(r.mem) <= gpuMiB && (r.core < 100 || mem[g] == 0)
+			if fitsCore && fitsMem {
+				t.Errorf("%s (core %d, %d MiB) fits GPU %d (core %d, %d MiB used) and does not run", p.Name, r.core, r.mem, g, core[g], mem[g])
+			}
+		}
+	}
+}
+
+// testKubeletRestart: instances and shares survive a kubelet restart, the
+// plugin registers again, and a new pod schedules afterwards.
+func testKubeletRestart(t *testing.T, m *mgpuNode) {
+	a := m.deploy(t, seedDeployment("keep30", "guaranteed-burst-share", 30, 4096, saturate(3600)))
+	b := m.deploy(t, seedDeployment("keep70", "guaranteed-burst-share", 70, 4096, saturate(3600)))
+	a, b = m.running(t, a.Name, "start"), m.running(t, b.Name, "start")
+	before := []api.Instance{m.instanceOf(t, a), m.instanceOf(t, b)}
+	m.RestartKubelet(t)
+	m.waitResources(t, 60*time.Second)
+	after := []api.Instance{m.instanceOf(t, a), m.instanceOf(t, b)}
+	for i := range before {
+		if before[i].Name != after[i].Name || before[i].PID != after[i].PID {
+			t.Errorf("instance %+v became %+v across the kubelet restart", before[i], after[i])
+		}
+	}
+	s := m.shares(t, []*corev1.Pod{a, b}, time.Second, 5*time.Second)
+	t.Logf("after the kubelet restart: %.2f / %.2f", s[0], s[1])
+	if math.Abs(s[0]-30) > epsilon || math.Abs(s[1]-70) > epsilon {
+		t.Errorf("shares after the kubelet restart %.2f / %.2f, want 30 / 70 ± %.0f", s[0], s[1], epsilon)
+	}
+	c := workloadPod("after-restart", "guaranteed-burst-share", 50, 1024, "echo ready; "+idle)
+	c.Labels = map[string]string{"test": "restart"}
+	if _, err := m.Client.CoreV1().Pods("default").Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	defer m.deleteAll(t, "test=restart")
+	in := m.instanceOf(t, m.running(t, c.Name, "ready"))
+	if in.Device != 1 || in.Core != 50 {
+		t.Errorf("the new pod's instance %+v, want core 50 on GPU 1 (GPU 0 is full)", in)
+	}
+}
