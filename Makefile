@@ -31,13 +31,14 @@ c:
 deps:
 	@scripts/deps.sh
 
-# Share measurements (test/process, test/e2e, and test/packaging, which runs
-# the container suite on the installed package) run one package at a time
+# Share measurements (test/process, test/e2e, test/packaging, which runs
+# the container suite on the installed package, and test/k8s, a real
+# single-node cluster) run one package at a time
 # after the rest: two of them at once on a 2-core machine measure each other.
-SERIAL_PKGS := ./test/process ./test/tenants ./test/e2e ./test/packaging
+SERIAL_PKGS := ./test/process ./test/tenants ./test/e2e ./test/packaging ./test/k8s
 
 test: deps build
-	$(GO) test -race -timeout 30m $$($(GO) list ./... | grep -v -e '/test/process$$' -e '/test/tenants$$' -e '/test/e2e$$' -e '/test/packaging$$')
+	$(GO) test -race -timeout 30m $$($(GO) list ./... | grep -v -e '/test/process$$' -e '/test/tenants$$' -e '/test/e2e$$' -e '/test/packaging$$' -e '/test/k8s$$')
 	$(GO) test -p 1 -count=1 -timeout 40m $(SERIAL_PKGS)
 
 lint: deps

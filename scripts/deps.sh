@@ -58,3 +58,13 @@ fi
 if [ -x test/e2e/deps.sh ]; then
   test/e2e/deps.sh
 fi
+
+# Kubernetes test dependencies (etcd, CNI plugins, and the Kubernetes
+# components built from source: about 12 minutes cold, then cached).
+if [ -x test/k8s/deps.sh ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    test/k8s/deps.sh
+  else
+    echo "deps: not root, skipping test/k8s/deps.sh (test/k8s skips)"
+  fi
+fi
