@@ -47,7 +47,8 @@ func App(stdin io.Reader, stdout, stderr io.Writer, opts ...Option) *cli.App {
 			"  poststop:      mgpu-hook destroy  releases the container's instances (never fails)\n" +
 			"Requests: annotations vke.volcengine.com/mgpu-core, vke.volcengine.com/mgpu-memory,\n" +
 			"vke.volcengine.com/mgpu-compute-policy, or env MGPU_CORE, MGPU_MEMORY, MGPU_COMPUTE_POLICY\n" +
-			"(annotations win). See docs/hook.md.",
+			"(annotations win). A Kubernetes pod's container (CRI annotations) gets its quota from\n" +
+			"the node agent on <run_dir>/kube-agent.sock instead. See docs/hook.md.",
 		Version:         version.String(),
 		HideVersion:     true,
 		Reader:          stdin,
