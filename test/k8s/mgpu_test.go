@@ -696,6 +696,7 @@ func testInvalid(t *testing.T, m *mgpuNode) {
 		want1, want2 string
 	}{
 		{"core0", "", 0, 4096, string(coreKey), "0 is not"},
+		{"memoryonly", "", 0, 4096, string(memoryKey), "needs mgpu-core"},
 		{"core150", "", 150, 4096, string(coreKey), "150"},
 		{"nomemory", "", 30, 0, string(memoryKey), "30"},
 		{"policy", "greedy", 30, 4096, policyKey, "greedy"},
@@ -915,7 +916,20 @@ func testKubeletRestart(t *testing.T, m *mgpuNode) {
 	b := m.deploy(t, seedDeployment("keep70", "guaranteed-burst-share", 70, 4096, saturate(3600)))
 	a, b = m.running(t, a.Name, "start"), m.running(t, b.Name, "start")
 	before := []api.Instance{m.instanceOf(t, a), m.instanceOf(t, b)}
+	registrations := func() int {
+		data, _ := os.ReadFile(m.log)
+		return strings.Count(string(data), `msg="registered with the kubelet"`)
+	}
+	n0 := registrations()
 	m.RestartKubelet(t)
+	if err := harness.WaitFor(30*time.Second, func() error {
+		if registrations() <= n0 {
+			return errors.New("the plugin has not registered with the new kubelet")
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
 	m.waitResources(t, 60*time.Second)
 	after := []api.Instance{m.instanceOf(t, a), m.instanceOf(t, b)}
 	for i := range before {
