@@ -953,3 +953,19 @@ func testKubeletRestart(t *testing.T, m *mgpuNode) {
 		t.Errorf("the new pod's instance %+v, want core 50 on GPU 1 (GPU 0 is full)", in)
 	}
 }
+
+// TestMGPUFixedShareNode: on a node whose GPUs run fixed-share, the seed's
+// Deployment without an annotation runs with fixed-share, and one that asks
+// for guaranteed-burst-share stays Pending with the event naming it.
+func TestMGPUFixedShareNode(t *testing.T) {
+	m := startMGPU(t, "fixed-share")
+	fakeEnvOf(m)
+	pod := m.deploy(t, seedDeployment("plain", "", 30, 4096, saturate(3600)))
+	pod = m.running(t, pod.Name, "start")
+	if in := m.instanceOf(t, pod); in.Policy != "fixed-share" || in.Core != 30 || in.MemoryMiB != 4096 {
+		t.Errorf("instance %+v, want fixed-share, core 30, 4096 MiB", in)
+	}
+	g := m.deploy(t, seedDeployment("guaranteed", "guaranteed-burst-share", 30, 4096, saturate(3600)))
+	ev := m.waitEvent(t, g.Name, "FailedScheduling", "no node runs compute policy guaranteed-burst-share", 60*time.Second)
+	t.Logf("guaranteed-burst-share on a fixed-share node: %s", ev.Message)
+}
