@@ -6,11 +6,13 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/signal"
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/mgpu-dev/mgpu/internal/config"
 	"github.com/mgpu-dev/mgpu/internal/device"
@@ -109,6 +111,19 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return fail(2, "%v", err)
 	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	// A node image enables the plugin before the node joins: the kubelet's
+	// kubeconfig appears then. Wait for it rather than fail.
+	if path := kubeconfigPath(*kubeconfig); path != "" {
+		if err := waitForFile(ctx, path, log); err != nil {
+			return fail(2, "%v", err)
+		}
+		if ctx.Err() != nil {
+			log.Info("stopped")
+			return 0
+		}
+	}
 	client, err := kubeclient.Client(*kubeconfig)
 	if err != nil {
 		return fail(2, "%v", err)
@@ -149,8 +164,6 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return fail(1, "%v", err)
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 
@@ -192,4 +205,45 @@ func resolveNodeName(flagValue string) (string, error) {
 		return "", fmt.Errorf("no node name: set --node-name or $NODE_NAME (the host name is not known: %w)", err)
 	}
 	return strings.ToLower(h), nil
+}
+
+// kubeconfigPath is --kubeconfig, else $KUBECONFIG ("" for in-cluster).
+func kubeconfigPath(flagValue string) string {
+	if flagValue != "" {
+		return flagValue
+	}
+	return os.Getenv("KUBECONFIG")
+}
+
+// Waiting for the kubeconfig: how often to look, and to say so.
+const (
+	kubeconfigPoll = time.Second
+	kubeconfigSay  = time.Minute
+)
+
+// waitForFile returns once path exists or ctx ends; a path that cannot be
+// looked at (other than missing) is an error.
+func waitForFile(ctx context.Context, path string, log *slog.Logger) error {
+	var said time.Time
+	for {
+		_, err := os.Stat(path)
+		switch {
+		case err == nil:
+			if !said.IsZero() {
+				log.Info("the kubeconfig is there", "path", path)
+			}
+			return nil
+		case !errors.Is(err, os.ErrNotExist):
+			return fmt.Errorf("kubeconfig %s: %w", path, err)
+		}
+		if time.Since(said) >= kubeconfigSay {
+			log.Warn("waiting for the kubeconfig (the kubelet's, written when the node joins the cluster; set --kubeconfig or KUBECONFIG for another)", "path", path)
+			said = time.Now()
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(kubeconfigPoll):
+		}
+	}
 }

@@ -2,9 +2,12 @@ package deviceplugin
 
 import (
 	"bytes"
+	"context"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestCommand(t *testing.T) {
@@ -51,5 +54,38 @@ func TestCommand(t *testing.T) {
 				t.Errorf("stderr %q, want one line with %q", e, tc.stderr)
 			}
 		})
+	}
+}
+
+func TestWaitForFile(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "kubelet.conf")
+	done := make(chan error, 1)
+	go func() { done <- waitForFile(context.Background(), path, testLogger()) }()
+	select {
+	case err := <-done:
+		t.Fatalf("returned before the file exists: %v", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	if err := os.WriteFile(path, []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(waitFor):
+		t.Fatal("did not return once the file exists")
+	}
+	// Under a file: not "missing", an error.
+	if err := waitForFile(context.Background(), filepath.Join(path, "x"), testLogger()); err == nil {
+		t.Error("a path under a file: no error")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := waitForFile(ctx, filepath.Join(dir, "never"), testLogger()); err != nil {
+		t.Errorf("ended context: %v", err)
 	}
 }

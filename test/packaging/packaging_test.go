@@ -1079,11 +1079,31 @@ func TestNodeImageUnderSystemd(t *testing.T) {
 	if pid := b.mainPID(plugin); pid != 0 {
 		t.Errorf("%s runs (pid %d) though nobody enabled it", plugin, pid)
 	}
-	// An operator turns it on. There is no kubelet here: the plugin serves
-	// its socket, tries to register again and again, and stays active.
+	// An operator turns it on before the node has joined: it waits for the
+	// kubelet's kubeconfig, active. Once that is there (its API server does
+	// not answer: there is none here) and with no kubelet either, the plugin
+	// serves its socket, tries to register again and again, and stays active.
 	b.must("systemctl", "enable", "--now", plugin)
 	pluginSock := filepath.Join(b.root, "var", "lib", "kubelet", "device-plugins", "mgpu-core.sock")
 	var journal string
+	if err := pollFor(10*time.Second, func() bool {
+		journal, _ = b.exec("journalctl", "--no-pager", "-o", "cat", "-u", plugin)
+		return strings.Contains(journal, "waiting for the kubeconfig")
+	}); err != nil {
+		st, _ := b.exec("systemctl", "--no-pager", "status", plugin)
+		t.Fatalf("%s does not wait for /etc/kubernetes/kubelet.conf:\n%s\njournal:\n%s", plugin, st, journal)
+	}
+	if show := b.must("systemctl", "show", "-p", "ActiveState", plugin); !strings.Contains(show, "ActiveState=active\n") {
+		t.Errorf("%s waiting for its kubeconfig: %s", plugin, show)
+	}
+	b.must("sh", "-c", `mkdir -p /etc/kubernetes && cat >/etc/kubernetes/kubelet.conf <<'EOF'
+apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+EOF`)
 	if err := pollFor(10*time.Second, func() bool {
 		journal, _ = b.exec("journalctl", "--no-pager", "-o", "cat", "-u", plugin)
 		return strings.Count(journal, "not registered with the kubelet; trying again") >= 3
