@@ -53,8 +53,18 @@ type mgpuNode struct {
 	log    string // the plugin's log
 }
 
-// startMGPU sets everything up; policy is what both GPUs run.
-func startMGPU(t *testing.T, policy string) *mgpuNode {
+// Credentials of the node agent.
+const (
+	// agentAsServiceAccount: the DaemonSet's ServiceAccount and RBAC.
+	agentAsServiceAccount = iota
+	// agentAsKubelet: the kubelet's own kubeconfig, as the systemd unit uses
+	// (the Node authorizer and NodeRestriction apply).
+	agentAsKubelet
+)
+
+// startMGPU sets everything up; policy is what both GPUs run, creds the
+// agent's credentials.
+func startMGPU(t *testing.T, policy string, creds int) *mgpuNode {
 	t.Helper()
 	image := workloadImage(t)
 	n, err := e2e.NewNode(e2e.NodeOptions{Devices: 2, MemoryMiB: gpuMiB, Policies: map[int]string{0: policy, 1: policy}})
@@ -82,7 +92,7 @@ func startMGPU(t *testing.T, policy string) *mgpuNode {
 	c.ImportImage(t, image)
 	m := &mgpuNode{Cluster: c, n: n}
 	m.startWebhook(t)
-	m.startPlugin(t)
+	m.startPlugin(t, creds)
 	return m
 }
 
@@ -159,17 +169,21 @@ func buildBin(name string) (string, error) {
 	return p, nil
 }
 
-// startPlugin applies the manifest's RBAC and runs bin/mgpu-device-plugin
-// on the host (the node-image path) with its ServiceAccount's token, then
+// startPlugin runs bin/mgpu-device-plugin on the host with the
+// manifest's ServiceAccount (its RBAC applied) or the kubelet's
+// credentials, then
 // waits for the node's mgpu resources and labels.
-func (m *mgpuNode) startPlugin(t *testing.T) {
+func (m *mgpuNode) startPlugin(t *testing.T, creds int) {
 	t.Helper()
 	bin, err := buildBin("mgpu-device-plugin")
 	if err != nil {
 		t.Fatal(err)
 	}
-	applyRBAC(t, m.Cluster)
-	kubeconfig := m.ServiceAccountKubeconfig(t, "kube-system", "mgpu-node-agent")
+	kubeconfig := m.NodeKubeconfig()
+	if creds == agentAsServiceAccount {
+		applyRBAC(t, m.Cluster)
+		kubeconfig = m.ServiceAccountKubeconfig(t, "kube-system", "mgpu-node-agent")
+	}
 	m.log = filepath.Join(m.Dir, "device-plugin.log")
 	logf, err := os.Create(m.log)
 	if err != nil {
@@ -512,7 +526,7 @@ func (m *mgpuNode) shares(t *testing.T, pods []*corev1.Pod, warm, win time.Durat
 // TestMGPU runs seed 000's scenarios on a node labelled
 // guaranteed-burst-share, one cluster for all.
 func TestMGPU(t *testing.T) {
-	m := startMGPU(t, "guaranteed-burst-share")
+	m := startMGPU(t, "guaranteed-burst-share", agentAsServiceAccount)
 	fakeEnvOf(m)
 
 	t.Run("SeedDeployment", func(t *testing.T) { testSeed(t, m) })
@@ -956,9 +970,10 @@ func testKubeletRestart(t *testing.T, m *mgpuNode) {
 
 // TestMGPUFixedShareNode: on a node whose GPUs run fixed-share, the seed's
 // Deployment without an annotation runs with fixed-share, and one that asks
-// for guaranteed-burst-share stays Pending with the event naming it.
+// for guaranteed-burst-share stays Pending with the event naming it. The
+// agent runs with the kubelet's credentials here, as the systemd unit does.
 func TestMGPUFixedShareNode(t *testing.T) {
-	m := startMGPU(t, "fixed-share")
+	m := startMGPU(t, "fixed-share", agentAsKubelet)
 	fakeEnvOf(m)
 	pod := m.deploy(t, seedDeployment("plain", "", 30, 4096, saturate(3600)))
 	pod = m.running(t, pod.Name, "start")
