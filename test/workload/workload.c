@@ -78,6 +78,8 @@ static struct {
     long threads;
     long report_ms;
     long idle_ms;
+    long sync_every;
+    long host_us;
     int null_stream;
     long graph_nodes;
     const char *graph_build;
@@ -102,7 +104,7 @@ static void usage(FILE *f)
             "  alloc-churn --api NAME --mib N --iterations I [--threads T]\n"
             "  compute --api launch|launchex|coop|graph --kernel-us U --depth D --seconds S\n"
             "          [--streams N] [--threads T] [--null-stream] [--report-ms M] [--idle-ms I]\n"
-            "          [--graph-nodes G] [--graph-build capture|nodes]\n"
+            "          [--graph-nodes G] [--graph-build capture|nodes] [--sync-every K] [--host-us H]\n"
             "  bench-launch [--n N]                    ns_per_launch of 0-duration kernels\n"
             "  bench-alloc [--n N] [--bytes B] [--api NAME]   ns_per_alloc of alloc+free pairs\n"
             "  fork [--kernel-us U]                    CUDA in the parent, then in a forked child\n"
@@ -216,6 +218,7 @@ static void resolve(void)
 static CUcontext ctx;
 static CUfunction kernel;
 
+/* setup: the primary context of --device, current on this thread. */
 static void setup(void)
 {
     CK(cu.cuInit(0));
@@ -223,6 +226,13 @@ static void setup(void)
     CK(cu.cuDeviceGet(&dev, opt.device));
     CK(cu.cuDevicePrimaryCtxRetain(&ctx, dev));
     CK(cu.cuCtxSetCurrent(ctx));
+}
+
+/* load_kernel: fakecuda's spin kernel from a dummy module (a real driver
+ * refuses the image: only the commands that launch need it, so memory and
+ * info commands also run against a real GPU). */
+static void load_kernel(void)
+{
     CUmodule mod;
     static const char image[] = "mgpu-workload kernel image";
     CK(cu.cuModuleLoadData(&mod, image));
@@ -563,6 +573,14 @@ static void build_graph(CUstream s)
     CK(cu.cuGraphDestroy(gr));
 }
 
+/* spin_ns: busy host time, not a sleep (a framework dispatching work). */
+static void spin_ns(uint64_t ns)
+{
+    uint64_t until = now_ns() + ns;
+    while (now_ns() < until)
+        ;
+}
+
 static void *compute_thread(void *arg)
 {
     long t = (long)(intptr_t)arg;
@@ -589,12 +607,16 @@ static void *compute_thread(void *arg)
             CUevent e = ev[j * opt.depth + (long)(cnt[j] % (uint64_t)opt.depth)];
             if (cnt[j] >= (uint64_t)opt.depth)
                 CK(cu.cuEventSynchronize(e)); /* at most depth launches in flight */
+            if (opt.host_us > 0)
+                spin_ns((uint64_t)opt.host_us * 1000); /* the framework's host work per launch */
             CUresult r = launch_one(s);
             if (r != CUDA_SUCCESS)
                 die("launch -> %s (%d)", errname(r), (int)r);
             CK(cu.cuEventRecord(e, s));
             cnt[j]++;
             atomic_fetch_add(&launches, per);
+            if (opt.sync_every > 0 && cnt[j] % (uint64_t)opt.sync_every == 0)
+                CK(cu.cuStreamSynchronize(s)); /* a step's result read back, as loss.item() does */
         }
     }
     for (int j = 0; j < nm; j++)
@@ -621,10 +643,11 @@ static int cmd_compute(void)
     else
         die("unknown compute --api %s", api);
     if (opt.depth < 1 || opt.streams < 1 || opt.threads < 1 || opt.threads > 256 || opt.kernel_us < 0 ||
-        opt.graph_nodes < 1)
+        opt.graph_nodes < 1 || opt.sync_every < 0 || opt.host_us < 0)
         die("bad compute options");
     kernel_ns = (uint64_t)opt.kernel_us * 1000;
     setup();
+    load_kernel();
     streams = calloc((size_t)opt.streams, sizeof(CUstream));
     if (!streams)
         die("out of host memory");
@@ -678,6 +701,7 @@ static int cmd_compute(void)
 static int cmd_bench_launch(void)
 {
     setup();
+    load_kernel();
     CUstream s;
     CK(cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
     uint64_t zero = 0;
@@ -725,6 +749,7 @@ static int cmd_bench_alloc(void)
 static int cuda_roundtrip(const char *who)
 {
     setup();
+    load_kernel();
     CUstream s;
     CUevent a, b;
     CUdeviceptr p;
@@ -831,6 +856,10 @@ int main(int argc, char **argv)
             opt.report_ms = num(a, VAL());
         } else if (strcmp(a, "--idle-ms") == 0) {
             opt.idle_ms = num(a, VAL());
+        } else if (strcmp(a, "--sync-every") == 0) {
+            opt.sync_every = num(a, VAL());
+        } else if (strcmp(a, "--host-us") == 0) {
+            opt.host_us = num(a, VAL());
         } else if (strcmp(a, "--null-stream") == 0) {
             opt.null_stream = 1;
         } else if (strcmp(a, "--graph-nodes") == 0) {
