@@ -1,139 +1,308 @@
 #!/usr/bin/env bash
 # test/gpu/run.sh - mgpu's checks on a real NVIDIA GPU (not run by CI).
 #
-# On a machine with an NVIDIA driver (and, for the PyTorch workloads, python3
-# with torch), from the repository root:
+#     make build && sudo test/gpu/run.sh [--seconds 10] [--device 0] [--out DIR]
+#                                        [--build DIR] [--only PHASES] [--cases LABELS]
 #
-#     make build && sudo test/gpu/run.sh [--seconds 20] [--device 0]
-#
+# Needs root (the enforcer makes read-only region views), an NVIDIA driver
+# (nvidia-smi, libcuda.so.1, libnvidia-ml.so.1) and python3 with CUDA torch.
 # It starts mgpu-enforcer on the real GPU (backend nvml) under a temporary
-# run/state directory, then, for each policy, runs two or three workloads
-# under quotas with `mgpu-cli run` (the shim preloaded in front of the real
-# libcuda.so.1) and measures what each achieved:
-#   - throughput: iterations per second of each workload, against the same
-#     workload alone on the GPU (its share = rate under quota / rate alone);
-#   - busy time from NVML (nvidia-smi --query-compute-apps is per process
-#     memory; utilization samples are per device, reported for reference);
-#   - memory: the allocation over quota must fail with out-of-memory.
-# It prints the same target-vs-achieved table as `make demo`.
-set -euo pipefail
+# run/state directory and runs, phase by phase (--only a,b: some of them):
+#   smoke     torch under the shim: cudaMemGetInfo reports the quota, a matmul runs
+#   shares    per policy, PyTorch matmul loops under quotas (mgpu-cli run); each
+#             workload's share three ways: tput (its rate / the rate alone),
+#             shim (GPU time the shim measured / wall time), pmon (the driver's
+#             per-process SM utilisation, nvidia-smi pmon)
+#   memory    a 4096 MiB quota: 3000 MiB fits, 5000 MiB is out of memory; every
+#             allocation API of mgpu-workload against the real driver
+#   backstop  processes that skip the shim (LD_PRELOAD unset, dlmopen): over the
+#             memory quota killed; flat-out compute beside a guaranteed 70 killed
+#             and the 70 back; a process of no instance logged; fail-closed
+#   allowance a tenant that fills its 4096 MiB quota (4000 MiB) while the backstop
+#             kills over quota + memory_allowance_mib (512, then 1024): what
+#             NVML charges its process beyond what the shim counts
+#   launch    host time per tiny kernel launch, alone and under the shim
+#             (--cases fixed-30-70,...: only those share cases; the labels are
+#             the first column of the table)
+# Workloads measure the same window: they warm up, then start together.
+# --out DIR gets summary.txt (what is printed) and logs.tgz (every log).
+# Prebuilt binaries: --build DIR with bin/{mgpu-cli,mgpu-enforcer,mgpu-workload}
+# and lib/libmgpu-shim.so (default: the repository's build/).
+set -uo pipefail
 
-SECONDS_PER_CASE=20
+SECS=10
 DEVICE=0
+OUTDIR=
+ONLY=smoke,shares,memory,backstop,allowance,launch
+CASES=
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+build=$root/build
 while [ $# -gt 0 ]; do
   case "$1" in
-    --seconds) SECONDS_PER_CASE=$2; shift 2 ;;
+    --seconds) SECS=$2; shift 2 ;;
     --device) DEVICE=$2; shift 2 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) echo "run.sh: unknown option $1" >&2; exit 2 ;;
+    --out) OUTDIR=$2; shift 2 ;;
+    --build) build=$(cd "$2" && pwd); shift 2 ;;
+    --only) ONLY=$2; shift 2 ;;
+    --cases) CASES=$2; shift 2 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+    *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-
-root=$(cd "$(dirname "$0")/../.." && pwd)
-bin=$root/build/bin
-shim=$root/build/lib/libmgpu-shim.so
-for f in "$bin/mgpu-cli" "$bin/mgpu-enforcer" "$shim"; do
-  [ -e "$f" ] || { echo "run.sh: $f is missing; run make build" >&2; exit 1; }
+bin=$build/bin
+shim=$build/lib/libmgpu-shim.so
+cli=$bin/mgpu-cli
+wl=$bin/mgpu-workload
+for f in "$cli" "$bin/mgpu-enforcer" "$wl" "$shim"; do
+  [ -e "$f" ] || { echo "run.sh: $f is missing; run make build (or --build DIR)" >&2; exit 1; }
 done
 command -v nvidia-smi >/dev/null || { echo "run.sh: nvidia-smi not found: this needs an NVIDIA driver" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || { echo "run.sh: run as root (the enforcer needs CAP_SYS_ADMIN)" >&2; exit 1; }
 python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null ||
   { echo "run.sh: python3 with CUDA-enabled torch is needed for the workloads" >&2; exit 1; }
 
 work=$(mktemp -d /tmp/mgpu-gpu-XXXXXX)
+summary=$work/summary.txt
+enf=
 cleanup() {
-  [ -n "${enf:-}" ] && kill "$enf" 2>/dev/null && wait "$enf" 2>/dev/null
+  stop_enforcer
+  pkill -f "$work/" 2>/dev/null
+  if [ -n "$OUTDIR" ]; then
+    mkdir -p "$OUTDIR"
+    cp "$summary" "$OUTDIR/summary.txt"
+    tar czf "$OUTDIR/logs.tgz" -C "$work" --exclude='run' --exclude='state' . 2>/dev/null
+  fi
   rm -rf "$work"
 }
 trap cleanup EXIT
+say() { echo "$*" | tee -a "$summary"; }
+has() { case ",$ONLY," in *",$1,"*) return 0 ;; esac; return 1; }
+tl() { python3 "$here/torchload.py" "$@"; }
 
-# The workload: a matmul loop that prints its iteration rate.
-cat >"$work/matmul.py" <<'EOF'
-import sys, time, torch
-seconds = float(sys.argv[1])
-n = 4096
-a = torch.randn(n, n, device="cuda", dtype=torch.float16)
-b = torch.randn(n, n, device="cuda", dtype=torch.float16)
-torch.cuda.synchronize()
-t0 = time.time(); it = 0
-while time.time() - t0 < seconds:
-    for _ in range(8):
-        c = a @ b
-    torch.cuda.synchronize()
-    it += 8
-print(f"rate={it / (time.time() - t0):.3f}")
-free, total = torch.cuda.mem_get_info()
-print(f"mem_total={total} mem_free={free}")
-EOF
-cat >"$work/oom.py" <<'EOF'
-import sys, torch
-mib = int(sys.argv[1])
-try:
-    x = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
-    print("alloc=ok")
-except torch.cuda.OutOfMemoryError:
-    print("alloc=oom")
-EOF
-
-run_case() { # policy, then core:label pairs
-  local pol=$1; shift
+# start_enforcer POLICY [TOML]: an enforcer on the device with a fresh run dir.
+start_enforcer() {
+  stop_enforcer
+  # RUN_SH_BACKEND=sim: a dry run of this script on the simulated GPU (with a
+  # stand-in for torch on PYTHONPATH), to check the script itself.
   cat >"$work/config.toml" <<EOF
 version = 1
-backend = "nvml"
+backend = "${RUN_SH_BACKEND:-nvml}"
 run_dir = "$work/run"
 state_dir = "$work/state"
 [defaults]
-compute_policy = "$pol"
+compute_policy = "$1"
+${2:-}
 EOF
+  [ "${RUN_SH_BACKEND:-}" = sim ] && printf '[[sim.gpu]]\nname = "Simulated-GPU-80GB"\nmemory_mib = 81920\n' >>"$work/config.toml"
   rm -rf "$work/run" "$work/state"
-  "$bin/mgpu-enforcer" --device "$DEVICE" --config "$work/config.toml" 2>"$work/enforcer.log" &
+  echo "=== enforcer $1 $(date +%T.%N)" >>"$work/enforcer.log"
+  local from
+  from=$(wc -l <"$work/enforcer.log")
+  "$bin/mgpu-enforcer" --device "$DEVICE" --config "$work/config.toml" >>"$work/enforcer.log" 2>&1 &
   enf=$!
-  for _ in $(seq 100); do [ -S "$work/run/gpu$DEVICE/control.sock" ] && break; sleep 0.1; done
-  local pids=() outs=() i=0
-  for spec in "$@"; do
-    local core=${spec%%:*}
-    outs[$i]=$work/out.$pol.$i
-    MGPU_CONFIG=$work/config.toml "$bin/mgpu-cli" run --device "$DEVICE" --core "$core" --memory 8192 \
-      --shim "$shim" -- python3 "$work/matmul.py" "$SECONDS_PER_CASE" >"${outs[$i]}" 2>&1 &
-    pids[$i]=$!
-    i=$((i + 1))
+  for _ in $(seq 200); do
+    [ -S "$work/run/gpu$DEVICE/control.sock" ] && return 0
+    kill -0 "$enf" 2>/dev/null || break
+    sleep 0.05
   done
-  for p in "${pids[@]}"; do wait "$p" || true; done
-  kill "$enf"; wait "$enf" 2>/dev/null || true; enf=
-  i=0
-  for spec in "$@"; do
-    local core=${spec%%:*} target=${spec##*:}
-    local rate
-    rate=$(sed -n 's/^rate=//p' "${outs[$i]}")
-    printf '%-24s core %-3s target %5s%%  rate %8s it/s  achieved %6.1f%%\n' "$pol" "$core" "$target" "${rate:-?}" \
-      "$(awk -v r="${rate:-0}" -v a="$alone" 'BEGIN { printf "%.1f", a > 0 ? 100 * r / a : 0 }')"
-    i=$((i + 1))
-  done
+  say "enforcer did not start; its log:"; tail -n +"$from" "$work/enforcer.log" | head -5 | tee -a "$summary"
+  enf=
+  return 1
+}
+stop_enforcer() {
+  if [ -n "${enf:-}" ]; then kill "$enf" 2>/dev/null; wait "$enf" 2>/dev/null; fi
+  enf=
+}
+mrun() { # seconds core memory cmd...: mgpu-cli run with the shim, under a timeout
+  local t=$1 core=$2 mem=$3; shift 3
+  timeout -k 5 "$t" env MGPU_CONFIG="$work/config.toml" "$cli" run --device "$DEVICE" --core "$core" \
+    --memory "$mem" --shim "$shim" -- "$@"
+}
+snap() { python3 "$here/report.py" stats "$work/run/gpu$DEVICE/control.sock" >"$1" 2>>"$work/report.err"; }
+
+# ---- facts
+{
+  echo "== $(date -u +%FT%TZ) $(uname -r)"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_mode --format=csv,noheader
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+  echo "libraries: $(ldconfig -p | grep -oE '(libcuda|libnvidia-ml)\.so\.1 .*' | tr '\n' ' ') LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+} 2>&1 | tee -a "$summary"
+
+alone=
+alone8k=
+reference() { # n -> rate alone, no mgpu
+  timeout $((SECS + 120)) python3 "$here/torchload.py" matmul --n "$1" --seconds "$SECS" >"$work/alone.$1.$2" 2>&1
+  sed -n 's/^rate=\([0-9.]*\).*/\1/p' "$work/alone.$1.$2"
 }
 
-echo "== the workload alone, without mgpu (reference rate)"
-alone=$(python3 "$work/matmul.py" "$SECONDS_PER_CASE" | sed -n 's/^rate=//p')
-echo "alone: $alone it/s"
+# ---- smoke
+if has smoke; then
+  say "== smoke: torch under the shim (quota 8192 MiB)"
+  if start_enforcer fixed-share; then
+    mrun 120 100 8192 python3 $here/torchload.py matmul --seconds 2 \
+      >"$work/smoke.out" 2>&1
+    say "exit $? : $(grep -E 'mem_total|rate=|mgpu:|Error|error' "$work/smoke.out" | head -4 | tr '\n' ' ')"
+    stop_enforcer
+  fi
+fi
 
-echo "== shares (rate under quota / rate alone)"
-run_case fixed-share 30:30 70:70
-run_case fixed-share 20:20 30:30 50:50
-run_case guaranteed-burst-share 30:30 70:70
-run_case native-burst-share 25:25 75:75
+# ---- shares
+# share_case LABEL POLICY N SPEC... (SPEC core:target, or core:target:idle)
+share_case() {
+  local label=$1 pol=$2 n=$3; shift 3
+  if [ -n "$CASES" ]; then case ",$CASES," in *",$label,"*) ;; *) return 0 ;; esac; fi
+  local d=$work/cases/$label
+  mkdir -p "$d"
+  start_enforcer "$pol" || return
+  local pids=() i=0 spec
+  for spec in "$@"; do
+    local core=${spec%%:*} idle=
+    [ "${spec##*:}" = idle ] && idle=--idle
+    mrun $((SECS + 150)) "$core" 16384 python3 "$here/torchload.py" matmul --n "$n" --seconds "$SECS" \
+      --ready "$d/ready.$i" --go "$d/go" $idle >"$d/out.$i" 2>&1 &
+    pids+=($!)
+    i=$((i + 1))
+  done
+  local ok=
+  for _ in $(seq 2400); do # all warmed up, at most 120 s
+    ok=1
+    for ((j = 0; j < i; j++)); do [ -e "$d/ready.$j" ] || ok=; done
+    [ -n "$ok" ] && break
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null || ok=dead; done
+    [ "$ok" = dead ] && break
+    sleep 0.05
+  done
+  if [ "$ok" = 1 ]; then
+    timeout $((SECS + 5)) nvidia-smi pmon -s u -d 1 -c "$SECS" >"$d/pmon" 2>&1 &
+    local pm=$!
+    touch "$d/go"
+    sleep 0.5
+    snap "$d/stats0"
+    sleep "$(awk -v s="$SECS" 'BEGIN { print s - 2 }')"
+    snap "$d/stats1"
+    wait "$pm" 2>/dev/null
+  else
+    say "$label: the workloads did not all warm up ($ok)"
+  fi
+  for p in "${pids[@]}"; do wait "$p"; done
+  stop_enforcer
+  local a=$alone
+  [ "$n" = 8192 ] && a=$alone8k
+  python3 "$here/report.py" case "$d" "$a" "$@" 2>&1 | tee -a "$summary"
+}
 
-echo "== memory quota (4096 MiB): 3000 MiB fits, 5000 MiB does not"
-cat >"$work/config.toml" <<EOF
-version = 1
-backend = "nvml"
-run_dir = "$work/run"
-state_dir = "$work/state"
-EOF
-rm -rf "$work/run" "$work/state"
-"$bin/mgpu-enforcer" --device "$DEVICE" --config "$work/config.toml" 2>>"$work/enforcer.log" &
-enf=$!
-for _ in $(seq 100); do [ -S "$work/run/gpu$DEVICE/control.sock" ] && break; sleep 0.1; done
-for mib in 3000 5000; do
-  printf '%s MiB: ' "$mib"
-  MGPU_CONFIG=$work/config.toml "$bin/mgpu-cli" run --device "$DEVICE" --core 10 --memory 4096 --shim "$shim" -- \
-    python3 "$work/oom.py" "$mib" 2>&1 | tail -1
-done
-nvidia-smi --query-gpu=index,name,utilization.gpu,memory.used,memory.total --format=csv
+if has shares; then
+  say "== the matmul alone, without mgpu (${SECS} s windows)"
+  alone=$(reference 4096 a)
+  case ",${CASES:-n8192}," in *n8192*) alone8k=$(reference 8192 a) ;; esac
+  say "alone: n=4096 ${alone:-?} it/s, n=8192 ${alone8k:-?} it/s"
+  say "== shares (% of the GPU): tput = rate / rate alone, shim = measured GPU time, pmon = driver SM %"
+  share_case fixed-30-70 fixed-share 4096 30:30 70:70
+  share_case fixed-30-70-n8192 fixed-share 8192 30:30 70:70
+  share_case fixed-20-30-50 fixed-share 4096 20:20 30:30 50:50
+  share_case fixed-lone-30 fixed-share 4096 30:30
+  share_case guaranteed-30-70 guaranteed-burst-share 4096 30:30 70:70
+  share_case guaranteed-30-70idle guaranteed-burst-share 4096 30:100 70:0:idle
+  share_case native-1-3 native-burst-share 4096 25:25 75:75
+  again=$(reference 4096 b)
+  say "alone again at the end: n=4096 ${again:-?} it/s"
+fi
+
+# ---- memory
+if has memory; then
+  say "== memory: a 4096 MiB quota"
+  if start_enforcer fixed-share; then
+    for mib in 3000 5000; do
+      mrun 120 10 4096 python3 $here/torchload.py alloc --mib $mib \
+        >"$work/alloc.$mib" 2>&1
+      say "torch ${mib} MiB: $(grep -E '^(mem_total|alloc=)|mgpu:' "$work/alloc.$mib" | tr '\n' ' ')"
+    done
+    say "mgpu-workload, 5 x 1024 MiB under 4096 MiB (resolved as the CUDA runtime does):"
+    for api in cuMemAlloc_v2 cuMemAllocPitch_v2 cuMemAllocManaged cuMemAllocAsync cuMemAllocFromPoolAsync cuMemCreate cuArrayCreate_v2 cuArray3DCreate_v2; do
+      mrun 60 10 4096 $wl --resolve runtime alloc --api $api --mib 1024 --count 5 --free \
+        >"$work/wl.$api" 2>&1
+      say "  $api: exit $? $(grep -E '^allocated=|mgpu:|error' "$work/wl.$api" | head -2 | tr '\n' ' ')"
+    done
+    mrun 60 10 4096 $wl info >"$work/wl.info" 2>&1
+    say "  info: $(grep -E 'device.0.(total_mem|mem_total)|nvml.0.(total|used)=' "$work/wl.info" | tr '\n' ' ')"
+    stop_enforcer
+  fi
+fi
+
+# ---- backstop
+if has backstop; then
+  say "== backstop: processes that skip the shim (memory_allowance_mib 512, compute_on_violation kill)"
+  bs='[backstop]
+memory_allowance_mib = 512
+compute_on_violation = "kill"'
+  if start_enforcer guaranteed-burst-share "$bs"; then
+    for how in unset dlmopen; do
+      pre=(env -u LD_PRELOAD "$wl")
+      [ "$how" = dlmopen ] && pre=("$wl" --resolve dlmopen)
+      t0=$(date +%s.%N)
+      mrun 60 10 1024 ${pre[*]} alloc --api cuMemAlloc_v2 --mib 4096 --hold-ms 20000 \
+        >"$work/bypass.mem.$how" 2>&1
+      rc=$?
+      t1=$(date +%s.%N)
+      say "  memory bypass ($how), 4096 MiB in a 1024 MiB instance: exit $rc after $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }') s (holds 20 s unless killed): $(grep -E '^alloc 0' "$work/bypass.mem.$how" | head -1)"
+    done
+    d=$work/cases/bypass-compute
+    mkdir -p "$d"
+    mrun $((SECS + 150)) 70 16384 python3 "$here/torchload.py" matmul --seconds $((SECS + 6)) \
+      --ready "$d/ready.0" --go "$d/go" >"$d/out.0" 2>&1 &
+    p70=$!
+    for _ in $(seq 2400); do [ -e "$d/ready.0" ] && break; kill -0 $p70 2>/dev/null || break; sleep 0.05; done
+    touch "$d/go"
+    sleep 3
+    t0=$(date +%s.%N)
+    mrun $((SECS + 150)) 30 16384 env -u LD_PRELOAD python3 "$here/torchload.py" matmul --seconds "$SECS" >"$d/out.1" 2>&1
+    rc=$?
+    t1=$(date +%s.%N)
+    wait $p70
+    say "  compute bypass beside a guaranteed 70: exit $rc after $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }') s (torch start-up included; $SECS s of matmul unless killed)"
+    say "  the 70's rate, % of alone (go at 0 s, bypass started at 3 s): $(python3 "$here/report.py" timeline "$d/out.0" "${alone:-1}" 2>&1)"
+    timeout 60 python3 "$here/torchload.py" matmul --seconds 3 >"$work/unattributed.out" 2>&1
+    say "  a process of no instance: $(grep -c 'kind=unattributed' "$work/enforcer.log") enforcer log lines name it (kind=unattributed)"
+    stop_enforcer
+    say "  backstop log lines:"
+    grep -E 'backstop' "$work/enforcer.log" | cut -c1-300 | tail -12 | tee -a "$summary"
+  fi
+  timeout 60 env LD_PRELOAD="$shim" MGPU_RUN_DIR="$work/run" python3 "$here/torchload.py" alloc --mib 1 >"$work/failclosed.out" 2>&1
+  say "  fail closed (shim, no enforcer): exit $? $(grep -m1 'mgpu:' "$work/failclosed.out")"
+fi
+
+# ---- allowance
+if has allowance; then
+  say "== allowance: 4000 MiB held in a 4096 MiB instance, memory_on_violation kill"
+  for allow in 512 1024; do
+    start_enforcer fixed-share "[backstop]
+memory_allowance_mib = $allow" || continue
+    out=$work/allowance.$allow
+    mrun 120 10 4096 python3 "$here/torchload.py" alloc --mib 4000 --hold 6 >"$out" 2>&1 &
+    p=$!
+    for _ in $(seq 1200); do grep -q '^alloc=' "$out" && break; kill -0 $p 2>/dev/null || break; sleep 0.05; done
+    sleep 1
+    nv=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>&1 | tr '\n' ' ')
+    wait $p
+    rc=$?
+    say "  allowance $allow MiB: exit $rc, $(grep -E '^(alloc|held)=' "$out" | tr '\n' ' ') nvidia-smi: $nv"
+    grep -E 'kind=memory' "$work/enforcer.log" | tail -n 2 | cut -c1-300 | tee -a "$summary"
+    stop_enforcer
+  done
+fi
+
+# ---- launch
+if has launch; then
+  say "== launch: host time per tiny kernel launch (torch x.add_(1)), alone vs under the shim, interleaved"
+  if start_enforcer fixed-share; then
+    for r in 1 2; do
+      a=$(timeout 120 python3 "$here/torchload.py" launches | sed -n 's/^us_per_launch=\([0-9.]*\).*/\1/p')
+      s=$(mrun 120 100 8192 python3 $here/torchload.py launches 2>&1 | sed -n 's/^us_per_launch=\([0-9.]*\).*/\1/p')
+      say "  run $r: alone ${a:-?} us, shim ${s:-?} us"
+    done
+    stop_enforcer
+  fi
+fi
+say "== enforcer log: $(grep -ciE 'level=(WARN|ERROR)' "$work/enforcer.log") warnings/errors"
+grep -E 'level=(WARN|ERROR)' "$work/enforcer.log" | grep -v backstop | cut -c1-300 | head -8 | tee -a "$summary"
