@@ -155,7 +155,15 @@ const (
 	DefaultBackstopInterval              = 250 * time.Millisecond
 	DefaultBackstopWindow                = time.Second
 	DefaultComputeTolerance              = 10
-	DefaultMemoryAllowanceMiB      int64 = 0
+	// DefaultMemoryAllowanceMiB is the allowance on real GPUs (backend
+	// "nvml"): the driver charges every CUDA context memory the shim does
+	// not count. On an H200 (driver 580, CUDA 13, PyTorch 2.11 with cuBLAS
+	// loaded) that was 610 MiB per process, and with 512 a tenant holding
+	// 4000 MiB of a 4096 MiB quota was killed (docs/backstop.md).
+	DefaultMemoryAllowanceMiB int64 = 1024
+	// DefaultSimMemoryAllowanceMiB is the allowance on the simulated GPU,
+	// which charges exactly what is allocated.
+	DefaultSimMemoryAllowanceMiB int64 = 0
 	DefaultMemoryOnViolation             = OnViolationKill
 	DefaultComputeOnViolation            = OnViolationLog
 	DefaultUnattributedOnViolation       = OnViolationLog
@@ -309,6 +317,9 @@ func Parse(name string, data []byte) (*Config, error) {
 	}
 	if !md.IsDefined("version") {
 		return nil, &Error{File: name, Line: 1, Key: "version", Err: fmt.Errorf("missing; add version = %d", Version)}
+	}
+	if c.Backend == BackendSim && !md.IsDefined("backstop", "memory_allowance_mib") {
+		c.Backstop.MemoryAllowanceMiB = DefaultSimMemoryAllowanceMiB
 	}
 	if err := c.validate(); err != nil {
 		var ve *Error

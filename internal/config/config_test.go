@@ -24,7 +24,7 @@ func TestShippedConfigsLoad(t *testing.T) {
 			t.Errorf("%s: defaults %+v", name, c.Defaults)
 		}
 		// Real GPUs charge each context memory the shim does not count.
-		if want := map[string]int64{"config.toml": 512, "sim-node.toml": 0}[name]; c.Backstop.MemoryAllowanceMiB != want || !c.Backstop.Enabled {
+		if want := map[string]int64{"config.toml": 1024, "sim-node.toml": 0}[name]; c.Backstop.MemoryAllowanceMiB != want || !c.Backstop.Enabled {
 			t.Errorf("%s: backstop %+v, want memory_allowance_mib %d", name, c.Backstop, want)
 		}
 	}
@@ -74,7 +74,7 @@ func TestBackstop(t *testing.T) {
 	t.Parallel()
 	want := BackstopConfig{
 		Enabled: true, Interval: 250 * time.Millisecond, Window: time.Second, ComputeTolerance: 10,
-		MemoryAllowanceMiB: 0, MemoryOnViolation: "kill", ComputeOnViolation: "log", UnattributedOnViolation: "log",
+		MemoryAllowanceMiB: 1024, MemoryOnViolation: "kill", ComputeOnViolation: "log", UnattributedOnViolation: "log",
 	}
 	if got := Default().Backstop; got != want {
 		t.Errorf("Default: %+v, want %+v", got, want)
@@ -82,6 +82,16 @@ func TestBackstop(t *testing.T) {
 	c, err := Parse("c.toml", []byte("version = 1\n"))
 	if err != nil || c.Backstop != want {
 		t.Fatalf("no [backstop]: %+v, %v", c.Backstop, err)
+	}
+	// The simulated GPU charges exactly what is allocated: no allowance
+	// unless the file sets one.
+	c, err = Parse("c.toml", []byte("version = 1\nbackend = \"sim\"\n[[sim.gpu]]\n"))
+	if err != nil || c.Backstop.MemoryAllowanceMiB != 0 {
+		t.Fatalf("sim without [backstop]: %+v, %v", c.Backstop, err)
+	}
+	c, err = Parse("c.toml", []byte("version = 1\nbackend = \"sim\"\n[backstop]\nmemory_allowance_mib = 64\n[[sim.gpu]]\n"))
+	if err != nil || c.Backstop.MemoryAllowanceMiB != 64 {
+		t.Fatalf("sim with an allowance: %+v, %v", c.Backstop, err)
 	}
 	for _, tc := range []struct {
 		name, text string
