@@ -232,9 +232,9 @@ fi
 
 # ---- backstop
 if has backstop; then
-  say "== backstop: processes that skip the shim (memory_allowance_mib 512, compute_on_violation kill)"
+  say "== backstop: processes that skip the shim (memory_allowance_mib 1024, compute_on_violation kill)"
   bs='[backstop]
-memory_allowance_mib = 512
+memory_allowance_mib = 1024
 compute_on_violation = "kill"'
   if start_enforcer guaranteed-burst-share "$bs"; then
     for how in unset dlmopen; do
