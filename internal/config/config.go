@@ -148,13 +148,13 @@ const (
 
 // Limits and defaults of [backstop].
 const (
-	MinBackstopInterval                  = 10 * time.Millisecond
-	MaxBackstopInterval                  = 10 * time.Second
-	MaxBackstopWindow                    = time.Minute
-	MaxMemoryAllowanceMiB          int64 = 65536
-	DefaultBackstopInterval              = 250 * time.Millisecond
-	DefaultBackstopWindow                = time.Second
-	DefaultComputeTolerance              = 10
+	MinBackstopInterval           = 10 * time.Millisecond
+	MaxBackstopInterval           = 10 * time.Second
+	MaxBackstopWindow             = time.Minute
+	MaxMemoryAllowanceMiB   int64 = 65536
+	DefaultBackstopInterval       = 250 * time.Millisecond
+	DefaultBackstopWindow         = time.Second
+	DefaultComputeTolerance       = 10
 	// DefaultMemoryAllowanceMiB is the allowance on real GPUs (backend
 	// "nvml"): the driver charges every CUDA context memory the shim does
 	// not count. On an H200 (driver 580, CUDA 13, PyTorch 2.11 with cuBLAS
@@ -163,7 +163,7 @@ const (
 	DefaultMemoryAllowanceMiB int64 = 1024
 	// DefaultSimMemoryAllowanceMiB is the allowance on the simulated GPU,
 	// which charges exactly what is allocated.
-	DefaultSimMemoryAllowanceMiB int64 = 0
+	DefaultSimMemoryAllowanceMiB   int64 = 0
 	DefaultMemoryOnViolation             = OnViolationKill
 	DefaultComputeOnViolation            = OnViolationLog
 	DefaultUnattributedOnViolation       = OnViolationLog
