@@ -119,6 +119,18 @@ mrun() { # seconds core memory cmd...: mgpu-cli run with the shim, under a timeo
   timeout -k 5 "$t" env MGPU_CONFIG="$work/config.toml" "$cli" run --device "$DEVICE" --core "$core" \
     --memory "$mem" --shim "$shim" -- "$@"
 }
+# await PIDS -- TEST...: polls TEST every 50 ms, at most 120 s, while every
+# process of PIDS (space-separated) runs; succeeds once TEST does.
+await() {
+  local pids=$1; shift 2
+  for _ in $(seq 2400); do
+    "$@" && return 0
+    for p in $pids; do kill -0 "$p" 2>/dev/null || return 1; done
+    sleep 0.05
+  done
+  return 1
+}
+all_ready() { local j; for ((j = 0; j < $2; j++)); do [ -e "$1/ready.$j" ] || return 1; done; }
 snap() { python3 "$here/report.py" stats "$work/run/gpu$DEVICE/control.sock" >"$1" 2>>"$work/report.err"; }
 
 # ---- facts
@@ -164,16 +176,7 @@ share_case() {
     pids+=($!)
     i=$((i + 1))
   done
-  local ok=
-  for _ in $(seq 2400); do # all warmed up, at most 120 s
-    ok=1
-    for ((j = 0; j < i; j++)); do [ -e "$d/ready.$j" ] || ok=; done
-    [ -n "$ok" ] && break
-    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null || ok=dead; done
-    [ "$ok" = dead ] && break
-    sleep 0.05
-  done
-  if [ "$ok" = 1 ]; then
+  if await "${pids[*]}" -- all_ready "$d" "$i"; then
     timeout $((SECS + 5)) nvidia-smi pmon -s u -d 1 -c "$SECS" >"$d/pmon" 2>&1 &
     local pm=$!
     touch "$d/go"
@@ -183,7 +186,7 @@ share_case() {
     snap "$d/stats1"
     wait "$pm" 2>/dev/null
   else
-    say "$label: the workloads did not all warm up ($ok)"
+    say "$label: the workloads did not all warm up (one ended, or 120 s passed)"
   fi
   for p in "${pids[@]}"; do wait "$p"; done
   stop_enforcer
@@ -252,7 +255,7 @@ compute_on_violation = "kill"'
     mrun $((SECS + 150)) 70 16384 python3 "$here/torchload.py" matmul --seconds $((SECS + 6)) \
       --ready "$d/ready.0" --go "$d/go" >"$d/out.0" 2>&1 &
     p70=$!
-    for _ in $(seq 2400); do [ -e "$d/ready.0" ] && break; kill -0 $p70 2>/dev/null || break; sleep 0.05; done
+    await "$p70" -- test -e "$d/ready.0"
     touch "$d/go"
     sleep 3
     t0=$(date +%s.%N)
@@ -281,7 +284,7 @@ memory_allowance_mib = $allow" || continue
     out=$work/allowance.$allow
     mrun 120 10 4096 python3 "$here/torchload.py" alloc --mib 4000 --hold 6 >"$out" 2>&1 &
     p=$!
-    for _ in $(seq 1200); do grep -q '^alloc=' "$out" && break; kill -0 $p 2>/dev/null || break; sleep 0.05; done
+    await "$p" -- grep -q '^alloc=' "$out"
     sleep 1
     nv=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>&1 | tr '\n' ' ')
     wait $p
