@@ -4,15 +4,19 @@
 package fakecuda
 
 import (
+	"bufio"
 	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"time"
 )
 
 // Proc is one process that used a device; exited processes stay listed
@@ -304,4 +308,105 @@ func Fields(out string) map[string]string {
 		}
 	}
 	return m
+}
+
+// Watcher samples the state at a fixed interval from one `fakecuda-ctl
+// watch` process: a sample costs microseconds there, where starting
+// `fakecuda-ctl stat` for each costs milliseconds of CPU that the measured
+// workloads would miss on a small machine.
+type Watcher struct {
+	cmd  *exec.Cmd
+	done chan struct{} // closed when the reader has seen the end of the output
+
+	mu     sync.Mutex
+	states []State
+	err    error // a line that did not parse, or the read error
+	stderr bytes.Buffer
+}
+
+// WatchWith starts sampling stateDir's devices every interval (at least
+// 100 µs) with the given fakecuda-ctl binary, until Stop.
+func WatchWith(ctl, stateDir string, every time.Duration) (*Watcher, error) {
+	us := every.Microseconds()
+	if us < 100 {
+		return nil, fmt.Errorf("fakecuda: watch interval %v: want at least 100µs", every)
+	}
+	w := &Watcher{done: make(chan struct{})}
+	w.cmd = exec.Command(ctl, "watch", strconv.FormatInt(us, 10)) //nolint:gosec // the caller names its own build
+	w.cmd.Env = append(os.Environ(), "FAKECUDA_STATE_DIR="+stateDir)
+	w.cmd.Stderr = &lockedWriter{mu: &w.mu, b: &w.stderr}
+	out, err := w.cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := w.cmd.Start(); err != nil {
+		return nil, fmt.Errorf("fakecuda: %s watch: %w", ctl, err)
+	}
+	go w.read(out)
+	return w, nil
+}
+
+func (w *Watcher) read(out io.Reader) {
+	defer close(w.done)
+	sc := bufio.NewScanner(out)
+	sc.Buffer(make([]byte, 0, 1<<16), 16<<20) // a device lists up to 1024 processes
+	for sc.Scan() {
+		var s State
+		err := json.Unmarshal(sc.Bytes(), &s)
+		w.mu.Lock()
+		if err != nil && w.err == nil {
+			w.err = fmt.Errorf("fakecuda: parse watch output: %w", err)
+		}
+		if err == nil {
+			w.states = append(w.states, s)
+		}
+		w.mu.Unlock()
+	}
+	if err := sc.Err(); err != nil {
+		w.mu.Lock()
+		if w.err == nil {
+			w.err = fmt.Errorf("fakecuda: read watch output: %w", err)
+		}
+		w.mu.Unlock()
+	}
+}
+
+// States returns the samples read so far, oldest first.
+func (w *Watcher) States() []State {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return append([]State(nil), w.states...)
+}
+
+// Stop ends the watch and returns every sample, oldest first, with the
+// first error: a line that did not parse, or the watch exiting on its own
+// (its stderr included).
+func (w *Watcher) Stop() ([]State, error) {
+	var early error
+	select {
+	case <-w.done:
+		early = errors.New("fakecuda: watch ended before it was stopped")
+	default:
+	}
+	_ = w.cmd.Process.Kill()
+	<-w.done
+	_ = w.cmd.Wait()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	err := w.err
+	if err == nil && early != nil {
+		err = fmt.Errorf("%w: %s", early, strings.TrimSpace(w.stderr.String()))
+	}
+	return w.states, err
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	b  *bytes.Buffer
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
 }

@@ -660,3 +660,72 @@ func TestPIDNamespaces(t *testing.T) {
 		t.Errorf("the two namespaces used %d ns, the device %d ns", sum, d.BusyNs)
 	}
 }
+
+// Watch samples from one process, and every sample counts the hold in
+// progress: a process running one 300 ms kernel is seen using the device
+// between two samples 10 ms apart (before, its busy time moved only when
+// the kernel ended, so short windows read 0 % or several hundred).
+func TestWatchCountsTheHoldInProgress(t *testing.T) {
+	e := newEnv(t)
+	c := e.cmd(e.p.Workload, "compute", "--kernel-us", "300000", "--depth", "1", "--seconds", "0.2")
+	if err := c.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = c.Wait() }()
+	var first uint64 // the process's busy time when first seen holding
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if d, ok := e.stat().Device(0); ok {
+			if p, ok := d.Proc(c.Process.Pid); ok && p.BusyNs > 0 {
+				first = p.BusyNs
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the workload never held the device")
+		}
+		time.Sleep(time.Millisecond) // poll interval
+	}
+	w, err := WatchWith(e.p.Ctl, e.state, 10*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for len(w.States()) < 8 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond) // poll interval
+	}
+	ss, err := w.Stop()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ss) < 8 {
+		t.Fatalf("%d samples in 10 s at 10 ms", len(ss))
+	}
+	grew := 0
+	for i := 1; i < len(ss); i++ {
+		if ss[i].AtNs <= ss[i-1].AtNs {
+			t.Fatalf("sample %d at %d, not after %d", i, ss[i].AtNs, ss[i-1].AtNs)
+		}
+		a, _ := ss[i-1].Device(0)
+		b, _ := ss[i].Device(0)
+		pa, _ := a.Proc(c.Process.Pid)
+		pb, _ := b.Proc(c.Process.Pid)
+		wall := ss[i].AtNs - ss[i-1].AtNs
+		if pb.BusyNs < pa.BusyNs || pb.BusyNs-pa.BusyNs > wall {
+			t.Errorf("samples %d-%d: busy %d -> %d over %d ns of wall", i-1, i, pa.BusyNs, pb.BusyNs, wall)
+		}
+		if pb.BusyNs-pa.BusyNs >= wall*9/10 {
+			grew++
+		}
+	}
+	if last, _ := ss[len(ss)-1].Device(0); grew < len(ss)/2 {
+		p, _ := last.Proc(c.Process.Pid)
+		t.Errorf("busy time grew with the wall time in %d of %d intervals (from %d to %d ns)", grew, len(ss)-1, first, p.BusyNs)
+	}
+	if _, err := WatchWith(e.p.Ctl, e.state, 50*time.Microsecond); err == nil {
+		t.Error("a 50 µs watch interval was accepted")
+	}
+	out, err := e.cmd(e.p.Ctl, "watch", "1ms").CombinedOutput()
+	if ee := (*exec.ExitError)(nil); !errors.As(err, &ee) || ee.ExitCode() != 2 || !strings.Contains(string(out), "want microseconds") {
+		t.Errorf("fakecuda-ctl watch 1ms: %v: %s", err, out)
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"bytes"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -321,6 +322,39 @@ func (n *Node) Sample() (Sample, error) {
 	return Sample{At: at, State: s}, err
 }
 
+// Watch samples the simulated devices every interval from one process
+// (fakecuda.Watcher) until Stop: for windows of tens of milliseconds, where
+// starting a process per Sample would take the measured workloads' CPU.
+type Watch struct{ w *fakecuda.Watcher }
+
+// Watch starts sampling every interval (at least 100 µs).
+func (n *Node) Watch(every time.Duration) (*Watch, error) {
+	w, err := fakecuda.WatchWith(n.Paths.Ctl, n.FakeState, every)
+	if err != nil {
+		return nil, err
+	}
+	return &Watch{w}, nil
+}
+
+// Samples returns the samples taken so far, oldest first.
+func (w *Watch) Samples() []Sample { return samples(w.w.States()) }
+
+// Stop ends the watch and returns every sample, oldest first.
+func (w *Watch) Stop() ([]Sample, error) {
+	ss, err := w.w.Stop()
+	return samples(ss), err
+}
+
+func samples(ss []fakecuda.State) []Sample {
+	rs := make([]Sample, 0, len(ss))
+	for _, s := range ss {
+		if at, ok := MonoTime(s.AtNs); ok {
+			rs = append(rs, Sample{At: at, State: s})
+		}
+	}
+	return rs
+}
+
 // MonoTime places a CLOCK_MONOTONIC stamp (ns, as the simulated GPU and the
 // workload print them) on Go's clock; false for 0 or a stamp from the future.
 func MonoTime(ns uint64) (time.Time, bool) {
@@ -338,21 +372,30 @@ func MonoTime(ns uint64) (time.Time, bool) {
 
 // StartedAt is when the workload whose output this is printed
 // "start mono_ns=N", just before its first launch.
-func StartedAt(output string) (time.Time, bool) {
-	_, rest, ok := strings.Cut(output, "start mono_ns=")
+func StartedAt(output string) (time.Time, bool) { return StampAt(output, "start mono_ns=") }
+
+// StampAt places the CLOCK_MONOTONIC stamp that follows key (e.g.
+// "until_mono_ns=") in output on Go's clock; false until the line holding
+// it is complete. The stamp may lie in the future.
+func StampAt(output, key string) (time.Time, bool) {
+	_, rest, ok := strings.Cut(output, key)
 	if !ok {
 		return time.Time{}, false
 	}
-	if i := strings.IndexByte(rest, '\n'); i >= 0 {
+	if i := strings.IndexAny(rest, " \n"); i >= 0 && strings.Contains(rest, "\n") {
 		rest = rest[:i]
 	} else {
 		return time.Time{}, false // the line is not complete yet
 	}
 	ns, err := strconv.ParseUint(rest, 10, 64)
-	if err != nil {
+	if err != nil || ns == 0 || ns > math.MaxInt64 {
 		return time.Time{}, false
 	}
-	return MonoTime(ns)
+	var ts unix.Timespec
+	if unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts) != nil {
+		return time.Time{}, false
+	}
+	return time.Now().Add(time.Duration(int64(ns) - ts.Nano())), true
 }
 
 // Busy returns the GPU time the processes pids used on device dev between

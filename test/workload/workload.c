@@ -664,9 +664,9 @@ static int cmd_compute(void)
         CK(cu.cuStreamDestroy_v2(cs));
     }
     if (opt.idle_ms > 0) { /* attached and ready, but no demand yet */
-        printf("idle ms=%ld\n", opt.idle_ms);
-        fflush(stdout);
         uint64_t until = now_ns() + (uint64_t)opt.idle_ms * 1000000ULL;
+        printf("idle ms=%ld until_mono_ns=%" PRIu64 "\n", opt.idle_ms, until);
+        fflush(stdout);
         struct timespec ts = {(time_t)(until / 1000000000ULL), (long)(until % 1000000000ULL)};
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
             ;

@@ -2,6 +2,9 @@
  * fakecuda-ctl - inspect and reset the simulated GPU's shared state.
  *
  *   fakecuda-ctl stat    JSON on stdout (see README.md); reaps exited processes
+ *   fakecuda-ctl watch US [N]
+ *                        stat every US microseconds (at most N times), one
+ *                        JSON line each, until N, stdout closes or a signal
  *   fakecuda-ctl reset   clears busy counters, forgets exited processes
  *
  * Devices are the gpu<N> files in FAKECUDA_STATE_DIR; nothing is created.
@@ -11,9 +14,11 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static int list_devices(int *idx)
 {
@@ -56,30 +61,29 @@ static void json_string(const char *s)
     putchar('"');
 }
 
-static int stat_cmd(void)
+/* One stat line of the devices devs[0..n) (opened, idx their indexes). */
+static int stat_devices(struct fc_dev **devs, const int *idx, int n)
 {
-    int idx[FC_MAX_DEVICES];
-    int n = list_devices(idx);
-    if (n < 0) {
-        fprintf(stderr, "fakecuda-ctl: %s: %s\n", fc_env_state_dir(), strerror(errno));
-        return 1;
-    }
     static struct fc_dev snap;
     uint64_t at = 0; /* CLOCK_MONOTONIC when the first device was read */
     printf("{\"devices\":[");
     for (int k = 0; k < n; k++) {
-        struct fc_dev *d = fc_dev_open(idx[k], 0);
-        if (!d) {
-            fprintf(stderr, "fakecuda-ctl: device %d: %s\n", idx[k], strerror(errno));
-            return 1;
-        }
+        struct fc_dev *d = devs[k];
         fc_dev_lock(d);
         fc_reap_locked(d);
+        uint64_t now = fc_now_ns();
         memcpy(&snap, d, sizeof(snap)); /* the mutexes in the copy are unused */
+        /* The hold in progress counts up to now, so that busy_ns is exact
+         * at the stamp (a timer-model slice is otherwise accounted only
+         * when it ends, milliseconds later). */
+        for (int i = 0; i < FC_MAX_PROCS; i++) {
+            uint64_t b = fc_busy_now_locked(d, i, now);
+            snap.busy_ns += b - snap.procs[i].busy_ns;
+            snap.procs[i].busy_ns = b;
+        }
         if (!at)
-            at = fc_now_ns();
+            at = now;
         fc_dev_unlock(d);
-        fc_dev_close(d);
         char uuid[64];
         fc_uuid_string(idx[k], uuid, sizeof(uuid));
         printf("%s{\"index\":%d,\"name\":", k ? "," : "", idx[k]);
@@ -102,6 +106,87 @@ static int stat_cmd(void)
     }
     printf("],\"at_ns\":%llu}\n", (unsigned long long)(at ? at : fc_now_ns()));
     return fflush(stdout) ? 1 : 0;
+}
+
+/* Opens every device of the state dir into devs; the count, or -1. */
+static int open_devices(struct fc_dev **devs, int *idx)
+{
+    int n = list_devices(idx);
+    if (n < 0) {
+        fprintf(stderr, "fakecuda-ctl: %s: %s\n", fc_env_state_dir(), strerror(errno));
+        return -1;
+    }
+    for (int k = 0; k < n; k++) {
+        devs[k] = fc_dev_open(idx[k], 0);
+        if (!devs[k]) {
+            fprintf(stderr, "fakecuda-ctl: device %d: %s\n", idx[k], strerror(errno));
+            while (k-- > 0)
+                fc_dev_close(devs[k]);
+            return -1;
+        }
+    }
+    return n;
+}
+
+static int stat_cmd(void)
+{
+    int idx[FC_MAX_DEVICES];
+    struct fc_dev *devs[FC_MAX_DEVICES];
+    int n = open_devices(devs, idx);
+    if (n < 0)
+        return 1;
+    int rc = stat_devices(devs, idx, n);
+    for (int k = 0; k < n; k++)
+        fc_dev_close(devs[k]);
+    return rc;
+}
+
+/* watch: stat every us microseconds, count times (0: until stdout closes
+ * or a signal). One process keeps the state mapped, so a sample costs
+ * microseconds, where starting fakecuda-ctl stat costs milliseconds of CPU
+ * (on a 2-core machine, every 5 ms that is most of a core, taken from the
+ * workloads being measured). Devices created after it started are not
+ * watched. */
+static int watch_cmd(const char *us_arg, const char *count_arg)
+{
+    char *end = NULL;
+    errno = 0;
+    long long us = strtoll(us_arg, &end, 10);
+    if (errno || !*us_arg || *end || us < 100 || us > 60000000) {
+        fprintf(stderr, "fakecuda-ctl: watch: interval %s: want microseconds, 100 to 60000000\n", us_arg);
+        return 2;
+    }
+    long long count = 0;
+    if (count_arg) {
+        end = NULL;
+        errno = 0;
+        count = strtoll(count_arg, &end, 10);
+        if (errno || !*count_arg || *end || count < 1) {
+            fprintf(stderr, "fakecuda-ctl: watch: count %s: want a positive number\n", count_arg);
+            return 2;
+        }
+    }
+    signal(SIGPIPE, SIG_IGN); /* a closed stdout ends the watch by its error */
+    int idx[FC_MAX_DEVICES];
+    struct fc_dev *devs[FC_MAX_DEVICES];
+    int n = open_devices(devs, idx);
+    if (n < 0)
+        return 1;
+    int rc = 0;
+    uint64_t next = fc_now_ns();
+    for (long long i = 0; count == 0 || i < count; i++) {
+        if (stat_devices(devs, idx, n)) {
+            rc = errno == EPIPE ? 0 : 1; /* the reader went away */
+            break;
+        }
+        next += (uint64_t)us * 1000;
+        struct timespec ts = {(time_t)(next / 1000000000ULL), (long)(next % 1000000000ULL)};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+            ;
+    }
+    for (int k = 0; k < n; k++)
+        fc_dev_close(devs[k]);
+    return rc;
 }
 
 static int reset_cmd(void)
@@ -128,9 +213,11 @@ int main(int argc, char **argv)
 {
     if (argc == 2 && strcmp(argv[1], "stat") == 0)
         return stat_cmd();
+    if ((argc == 3 || argc == 4) && strcmp(argv[1], "watch") == 0)
+        return watch_cmd(argv[2], argc == 4 ? argv[3] : NULL);
     if (argc == 2 && strcmp(argv[1], "reset") == 0)
         return reset_cmd();
-    fprintf(stderr, "usage: fakecuda-ctl stat|reset   (state dir: FAKECUDA_STATE_DIR, now %s)\n",
+    fprintf(stderr, "usage: fakecuda-ctl stat|watch US [N]|reset   (state dir: FAKECUDA_STATE_DIR, now %s)\n",
             fc_env_state_dir());
     return 2;
 }
