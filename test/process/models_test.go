@@ -125,6 +125,9 @@ func TestFixedShareSynchronisedSteps(t *testing.T) {
 	}{
 		{"30/70 steps of 8 x 200us", []load{{30, step(200)}, {70, step(200)}}},
 		{"20/30/50 steps of 8 x 500us", []load{{20, step(500)}, {30, step(500)}, {50, step(500)}}},
+		// Beside a saturating 70 the 30's steps ran at 18.6 (16.2 under
+		// kernel) and the 70 at 78.8, over its cap.
+		{"30 steps of 8 x 200us / 70 saturating", []load{{30, step(200)}, {70, saturating("launch", 200, 8)}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			forEachModel(t, func(t *testing.T, model string) {
