@@ -96,9 +96,7 @@ func (e *Enforcer) backstopInstances() []backstop.Instance {
 	defer e.mu.Unlock()
 	out := make([]backstop.Instance, 0, len(e.list))
 	for _, in := range e.list {
-		acc := in.reapedGPU
-		in.forSlots(func(i int) { acc = sat(acc, in.sane[i].total()) })
-		out = append(out, backstop.Instance{Name: in.name, MemoryQuota: in.memMiB << 20, Accounted: clampDuration(acc)})
+		out = append(out, backstop.Instance{Name: in.name, MemoryQuota: in.memMiB << 20, Accounted: clampDuration(in.gpuTotal())})
 	}
 	return out
 }

@@ -116,6 +116,9 @@ type Enforcer struct {
 	selfNS   uint64
 	selfCgs  []string
 	started  time.Time
+	// releasedGPU is the measured GPU time of the instances released since
+	// the enforcer started (the device's busy total keeps it).
+	releasedGPU uint64
 
 	mu         sync.Mutex
 	settings   config.DeviceSettings // what the device runs

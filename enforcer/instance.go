@@ -23,10 +23,11 @@ type instance struct {
 	name        string
 	kind        api.Kind
 	containerID string
-	pid         int    // init (container) or root (process tree)
-	startTime   uint64 // of pid
-	pidNS       uint64 // container's pid namespace; 0: the host's (match by cgroup)
-	cgroup      string // container's cgroup; "": none usable
+	pod         *api.PodRef // the Kubernetes pod container; nil: none
+	pid         int         // init (container) or root (process tree)
+	startTime   uint64      // of pid
+	pidNS       uint64      // container's pid namespace; 0: the host's (match by cgroup)
+	cgroup      string      // container's cgroup; "": none usable
 	policy      policy.Policy
 	core        int
 	memMiB      uint64
@@ -150,7 +151,7 @@ func noun(k api.Kind) string {
 
 func (in *instance) record() stateInstance {
 	return stateInstance{
-		Name: in.name, ID: in.id, Kind: in.kind, ContainerID: in.containerID,
+		Name: in.name, ID: in.id, Kind: in.kind, ContainerID: in.containerID, Pod: in.pod,
 		PID: in.pid, StartTime: in.startTime, PidNS: in.pidNS, Cgroup: in.cgroup,
 		Policy: in.policy, Core: in.core, MemoryMiB: in.memMiB, Created: in.created,
 		ReapedGPUNs: in.reapedGPU, ReapedThrottledNs: in.reapedThrottled, ReapedLaunches: in.reapedLaunches,
@@ -162,7 +163,7 @@ func (in *instance) api(dev int) api.Instance {
 		Name: in.name, Device: dev, ID: in.id, Kind: in.kind, ContainerID: in.containerID,
 		PID: in.pid, StartTime: in.startTime, PidNS: in.pidNS, Cgroup: in.cgroup,
 		Policy: in.policy.String(), Core: in.core, MemoryMiB: in.memMiB, Created: in.created,
-		Processes: in.nused, Region: in.path,
+		Processes: in.nused, Region: in.path, Pod: in.pod,
 	}
 }
 
@@ -359,7 +360,7 @@ func (e *Enforcer) admitLocked(req api.CreateRequest, id identity, pfd int) (*in
 		y++
 	}
 	in := newInstance()
-	in.id, in.name, in.kind, in.containerID = y, api.InstanceName(e.index, y), req.Kind, req.ContainerID
+	in.id, in.name, in.kind, in.containerID, in.pod = y, api.InstanceName(e.index, y), req.Kind, req.ContainerID, req.Pod
 	in.pid, in.startTime, in.pidNS, in.cgroup = req.PID, id.startTime, id.pidNS, id.cgroup
 	in.policy, in.core, in.memMiB, in.created = pol, req.Core, req.MemoryMiB, time.Now().UTC()
 	in.qcap = queueCap(uint64(maxQueued), uint64(e.settings.Period())) //nolint:gosec // positive
@@ -445,6 +446,7 @@ func (e *Enforcer) releaseLocked(in *instance, why string) {
 	if e.byID[in.id] != in {
 		return
 	}
+	e.releasedGPU = sat(e.releasedGPU, in.gpuTotal())
 	delete(e.byID, in.id)
 	e.gen++
 	if in.containerID != "" && e.byCID[in.containerID] == in {
@@ -590,11 +592,23 @@ func (e *Enforcer) Get(name string) (api.Instance, error) {
 	return in.api(e.index), nil
 }
 
+// gpuTotal is the instance's measured GPU time: its reaped processes' and
+// its attached ones' (as sanity-checked).
+func (in *instance) gpuTotal() uint64 {
+	acc := in.reapedGPU
+	in.forSlots(func(i int) { acc = sat(acc, in.sane[i].total()) })
+	return acc
+}
+
 // Device returns the device's live allocation.
 func (e *Enforcer) Device() api.DeviceResponse {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	cores, mem := e.sumsLocked()
+	busy := e.releasedGPU
+	for _, in := range e.list {
+		busy = sat(busy, in.gpuTotal())
+	}
 	total := e.dev.MemoryMiB()
 	var free uint64
 	if mem < total {
@@ -610,16 +624,27 @@ func (e *Enforcer) Device() api.DeviceResponse {
 		Instances:    len(e.list), CoreSum: cores, CoreFree: max(0, 100-cores),
 		MemoryAllocatedMiB: mem, MemoryFreeMiB: free,
 		EnforcerPID: os.Getpid(), EnforcerEpoch: e.epoch, Started: e.started.UTC(),
+		BusyNs: busy,
 	}
 }
 
 // Stats returns every instance's accounting.
 func (e *Enforcer) Stats() []api.InstanceStats {
+	var violations map[string]uint64
+	if e.backstop != nil {
+		violations = map[string]uint64{}
+		for _, c := range e.backstop.Counts() {
+			violations[c.Instance] = sat(violations[c.Instance], c.Episodes)
+		}
+	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var out []api.InstanceStats
 	for e.guard(func() { out = e.statsLocked() }) {
 		// a truncated region was repaired and its instance released: again
+	}
+	for i := range out {
+		out[i].Violations = violations[out[i].Name]
 	}
 	return out
 }

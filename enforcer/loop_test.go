@@ -224,6 +224,41 @@ func benchmarkTick(b *testing.B, n int) {
 }
 
 func BenchmarkTick16(b *testing.B) { benchmarkTick(b, 16) }
+
+// BenchmarkScrape16 is what one metrics scrape holds the enforcer's lock
+// for, with 16 instances of 4 processes each: the answers of GET
+// /v1/device, /v1/instances and /v1/stats are built under it (and encoded
+// and written after it is released), so this is the time a tick may wait.
+func BenchmarkScrape16(b *testing.B) {
+	const n = 16
+	env := newEnv(b, withMaxInstances(n))
+	e, err := New(env.cfg, 0)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer e.Close()
+	for range n {
+		if _, err := e.Create(tree(os.Getpid(), 1, 1)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	e.mu.Lock()
+	for _, in := range e.list {
+		for s := range 4 {
+			in.reg.Proc(s).Claim(uint32(os.Getpid()), 1)
+			in.setUsed(s)
+		}
+	}
+	e.mu.Unlock()
+	b.ReportAllocs()
+	for b.Loop() {
+		_ = e.Device()
+		_ = e.List()
+		if st := e.Stats(); len(st) != n {
+			b.Fatalf("%d instances", len(st))
+		}
+	}
+}
 func BenchmarkTick64(b *testing.B) { benchmarkTick(b, 64) }
 
 // TestTickFollowsNextDecision drives the loop's step on a virtual clock

@@ -60,7 +60,7 @@ func (e *Enforcer) restore() error {
 
 func (e *Enforcer) adopt(si stateInstance, sameBoot bool) error {
 	in := newInstance()
-	in.id, in.name, in.kind, in.containerID = si.ID, si.Name, si.Kind, si.ContainerID
+	in.id, in.name, in.kind, in.containerID, in.pod = si.ID, si.Name, si.Kind, si.ContainerID, si.Pod
 	in.pid, in.startTime, in.pidNS, in.cgroup = si.PID, si.StartTime, si.PidNS, si.Cgroup
 	in.policy, in.core, in.memMiB, in.created = si.Policy, si.Core, si.MemoryMiB, si.Created
 	in.reapedGPU, in.reapedThrottled, in.reapedLaunches = min(si.ReapedGPUNs, satCap), min(si.ReapedThrottledNs, satCap), min(si.ReapedLaunches, satCap)

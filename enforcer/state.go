@@ -45,6 +45,7 @@ type stateInstance struct {
 	ID          int           `json:"id"`
 	Kind        api.Kind      `json:"kind"`
 	ContainerID string        `json:"container_id,omitempty"`
+	Pod         *api.PodRef   `json:"pod,omitempty"`
 	PID         int           `json:"pid"`
 	StartTime   uint64        `json:"start_time"`
 	PidNS       uint64        `json:"pid_ns,omitempty"`
@@ -129,6 +130,11 @@ func decodeState(data []byte, dev int) (*stateFile, error) {
 			return nil, fmt.Errorf("%s: memory_mib %d outside 1..%d", where, in.MemoryMiB, 1<<24)
 		case in.Policy != s.Policy:
 			return nil, fmt.Errorf("%s: policy %s differs from the device's %s", where, in.Policy, s.Policy)
+		}
+		if in.Pod != nil {
+			if err := in.Pod.Validate(); err != nil {
+				return nil, fmt.Errorf("%s: %w", where, err)
+			}
 		}
 		ids[in.ID] = true
 		if in.ContainerID != "" {

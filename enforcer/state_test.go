@@ -21,6 +21,7 @@ func goodState() stateFile {
 			Name: "mgpu0inst2", ID: 2, Kind: api.KindContainer, ContainerID: "c", PID: 10, StartTime: 5,
 			PidNS: 4026531999, Policy: policy.GuaranteedBurstShare, Core: 30, MemoryMiB: 4096,
 			Created: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC), ReapedGPUNs: 9,
+			Pod: &api.PodRef{Namespace: "ml", Name: "train-0", Container: "main"},
 		}},
 	}
 }
@@ -39,7 +40,7 @@ func TestDecodeState(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(s.Instances) != 1 || s.Instances[0].ReapedGPUNs != 9 || s.Epoch != 3 {
+	if len(s.Instances) != 1 || s.Instances[0].ReapedGPUNs != 9 || s.Epoch != 3 || s.Instances[0].Pod == nil || s.Instances[0].Pod.Name != "train-0" {
 		t.Fatalf("decoded %+v", s)
 	}
 	for _, tc := range []struct {
@@ -57,6 +58,7 @@ func TestDecodeState(t *testing.T) {
 			s.Instances = append(s.Instances, x)
 		}, `duplicate container_id "c"`},
 		{"core", func(s *stateFile) { s.Instances[0].Core = 0 }, "core 0"},
+		{"pod", func(s *stateFile) { s.Instances[0].Pod = &api.PodRef{Namespace: "n", Name: "", Container: "c"} }, "pod name must be"},
 		{"memory", func(s *stateFile) { s.Instances[0].MemoryMiB = 0 }, "memory_mib 0"},
 		{"kind", func(s *stateFile) { s.Instances[0].Kind = "vm" }, `unknown kind "vm"`},
 		{"policy mix", func(s *stateFile) { s.Instances[0].Policy = policy.FixedShare }, "differs from the device's"},

@@ -109,6 +109,7 @@ func (h *Hook) Create(ctx context.Context, st *oci.State) ([]Admitted, error) {
 		return nil, err
 	case isPod:
 		// A Kubernetes container: its quota is its own pod's.
+		base.Pod = &api.PodRef{Namespace: pod.Namespace, Name: pod.Pod, Container: pod.Container}
 		if creqs, err = h.podRequests(ctx, pod, devs, base); err != nil {
 			return nil, err
 		}

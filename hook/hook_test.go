@@ -27,7 +27,8 @@ type fakeEnforcer struct {
 	proc      Proc
 	memoryMiB uint64 // the device's memory
 
-	lastPolicy string // of the last create
+	lastPolicy string      // of the last create
+	lastPod    *api.PodRef // of the last create
 }
 
 func (f *fakeEnforcer) Device(context.Context) (api.DeviceResponse, error) {
@@ -36,6 +37,7 @@ func (f *fakeEnforcer) Device(context.Context) (api.DeviceResponse, error) {
 
 func (f *fakeEnforcer) Create(ctx context.Context, req api.CreateRequest) (api.CreateResponse, error) {
 	f.lastPolicy = req.Policy
+	f.lastPod = req.Pod
 	st := f.startTime
 	if st == 0 {
 		id, err := f.proc.Identity(req.PID)

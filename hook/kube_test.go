@@ -11,6 +11,7 @@ import (
 
 	oci "github.com/opencontainers/runtime-spec/specs-go"
 
+	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/kube/agentapi"
 )
 
@@ -100,6 +101,12 @@ func TestCreatePodUsesItsAssignment(t *testing.T) {
 	if p := fakes[1].lastPolicy; p != "guaranteed-burst-share" {
 		t.Fatalf("policy %q", p)
 	}
+	// The instance is labelled with its pod container (metrics).
+	for i, f := range fakes {
+		if p := f.lastPod; p == nil || *p != (api.PodRef{Namespace: "team-a", Name: "train-0", Container: "main"}) {
+			t.Fatalf("device %d: pod %+v", i, p)
+		}
+	}
 }
 
 func TestCreatePodRefused(t *testing.T) {
@@ -141,7 +148,7 @@ func TestCreateNotAPodIgnoresTheAgent(t *testing.T) {
 	agent := &fakeAgent{err: errors.New("must not be asked")}
 	h := New(cfg, WithProc(proc), WithAgent(agent), WithEnforcers(func(i int) Enforcer { return fakes[i] }))
 	got, err := h.Create(context.Background(), st)
-	if err != nil || len(got) != 1 || got[0].Instance.Core != 25 || len(agent.asked) != 0 {
-		t.Fatalf("got %+v, %v; asked %v", got, err, agent.asked)
+	if err != nil || len(got) != 1 || got[0].Instance.Core != 25 || len(agent.asked) != 0 || fakes[0].lastPod != nil {
+		t.Fatalf("got %+v, %v; asked %v; pod %+v", got, err, agent.asked, fakes[0].lastPod)
 	}
 }

@@ -91,6 +91,36 @@ type CreateRequest struct {
 	Core int `json:"core"`
 	// MemoryMiB is the device-memory quota, >= 1.
 	MemoryMiB uint64 `json:"memory_mib"`
+	// Pod is the Kubernetes pod container the instance is for, when a
+	// CRI made the container (the hook reads it from the CRI's
+	// annotations); labels of the instance's metrics.
+	Pod *PodRef `json:"pod,omitempty"`
+}
+
+// PodRef names a Kubernetes pod's container.
+type PodRef struct {
+	Namespace string `json:"namespace"`
+	Name      string `json:"name"`
+	Container string `json:"container"`
+}
+
+// MaxPodRefLen bounds each PodRef field (a DNS subdomain is at most 253).
+const MaxPodRefLen = 253
+
+// Validate checks that every field is set, printable and at most
+// MaxPodRefLen bytes.
+func (p *PodRef) Validate() error {
+	for _, f := range [][2]string{{"namespace", p.Namespace}, {"name", p.Name}, {"container", p.Container}} {
+		if f[1] == "" || len(f[1]) > MaxPodRefLen {
+			return fmt.Errorf("%w: pod %s must be 1 to %d bytes", ErrBadRequest, f[0], MaxPodRefLen)
+		}
+		for _, c := range f[1] {
+			if !unicode.IsPrint(c) || c == ' ' {
+				return fmt.Errorf("%w: pod %s %q has a character that is not printable", ErrBadRequest, f[0], f[1])
+			}
+		}
+	}
+	return nil
 }
 
 // Instance describes one instance.
@@ -110,6 +140,7 @@ type Instance struct {
 	Created     time.Time `json:"created"`
 	Processes   int       `json:"processes"` // attached processes
 	Region      string    `json:"region"`    // region directory on the host
+	Pod         *PodRef   `json:"pod,omitempty"`
 }
 
 // CreateResponse is the answer to POST /v1/instances.
@@ -160,6 +191,10 @@ type DeviceResponse struct {
 	EnforcerPID   int       `json:"enforcer_pid"`
 	EnforcerEpoch uint32    `json:"enforcer_epoch"`
 	Started       time.Time `json:"started"`
+
+	// BusyNs is the measured GPU time of the device's instances, released
+	// ones included, since the enforcer started.
+	BusyNs uint64 `json:"busy_ns"`
 }
 
 // StatsResponse is the answer to GET /v1/stats.
@@ -188,6 +223,10 @@ type InstanceStats struct {
 	MemoryUsedBytes   uint64    `json:"memory_used_bytes"`
 	MemoryLimitBytes  uint64    `json:"memory_limit_bytes"`
 	Processes         []Process `json:"processes"`
+	// Violations counts the driver backstop's violations of the instance
+	// since the enforcer started (episodes, every kind; 0 with the
+	// backstop off).
+	Violations uint64 `json:"violations"`
 }
 
 // Process is one attached process.
@@ -281,6 +320,14 @@ func (r *CreateRequest) Validate() error {
 	if r.Policy != "" {
 		if _, err := policy.Parse(r.Policy); err != nil {
 			return fmt.Errorf("%w: %w", ErrBadRequest, err)
+		}
+	}
+	if r.Pod != nil {
+		if r.Kind != KindContainer {
+			return fmt.Errorf("%w: pod is for kind %q only", ErrBadRequest, KindContainer)
+		}
+		if err := r.Pod.Validate(); err != nil {
+			return err
 		}
 	}
 	return nil

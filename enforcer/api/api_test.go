@@ -23,6 +23,9 @@ func TestDecodeCreateRequest(t *testing.T) {
 		{"cgroup root", `{"container_id":"a","pid":1,"cgroup":"/"}`, "clean absolute path"},
 		{"policy", `{"container_id":"a","pid":1,"policy":"x"}`, `unknown compute policy "x"`},
 		{"type", `{"container_id":"a","pid":"1"}`, "cannot unmarshal"},
+		{"pod without name", `{"container_id":"a","pid":1,"pod":{"namespace":"n","container":"c"}}`, "pod name must be 1 to 253 bytes"},
+		{"pod control char", `{"container_id":"a","pid":1,"pod":{"namespace":"n\u0007","name":"p","container":"c"}}`, "pod namespace"},
+		{"pod of a process tree", `{"kind":"process-tree","pid":1,"pod":{"namespace":"n","name":"p","container":"c"}}`, "pod is for kind"},
 		{"huge", `{"container_id":"` + strings.Repeat("a", MaxRequestBytes) + `"}`, "larger than"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -34,6 +37,15 @@ func TestDecodeCreateRequest(t *testing.T) {
 				t.Fatalf("multi-line error %q", err)
 			}
 		})
+	}
+}
+
+// A Kubernetes container's pod is accepted and kept.
+func TestDecodeCreateRequestPod(t *testing.T) {
+	t.Parallel()
+	r, err := DecodeCreateRequest(strings.NewReader(`{"container_id":"abc","pid":12,"core":30,"memory_mib":4096,"pod":{"namespace":"ml","name":"train-0","container":"main"}}`))
+	if err != nil || r.Pod == nil || *r.Pod != (PodRef{Namespace: "ml", Name: "train-0", Container: "main"}) {
+		t.Fatalf("got %+v, %v", r, err)
 	}
 }
 
