@@ -38,6 +38,33 @@ if [ -n "$missing" ]; then
   fi
 fi
 
+# Observability test dependencies: Debian's prometheus (test/process scrapes
+# `mgpu-cli metrics serve` with it) and tmux (mgpu-cli top in a terminal).
+# Installed without recommends and with services kept from starting: the
+# tests run their own prometheus on loopback.
+missing=""
+for pkg in prometheus tmux; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing="$missing $pkg"
+done
+if [ -n "$missing" ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    echo "deps: apt-get install --no-install-recommends$missing"
+    policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && policy=1
+    fi
+    # shellcheck disable=SC2086 # the package list is split on purpose
+    rc=0
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing >/dev/null ||
+      { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing >/dev/null; } ||
+      rc=$?
+    [ -z "$policy" ] || rm -f /usr/sbin/policy-rc.d
+    [ "$rc" -eq 0 ] || exit "$rc"
+  else
+    echo "deps: not root, skipping$missing (the tests that need them skip)"
+  fi
+fi
+
 # The Debian 12 tree with systemd that test/packaging boots with
 # systemd-nspawn, built once (about 20 s and 190 MiB) and kept as a tarball.
 ROOTFS_TAR="$CACHE_DIR/systemd-rootfs-bookworm.tar"

@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -56,6 +57,7 @@ type Config struct {
 	Devices  []DeviceConfig `toml:"device"`
 	Sim      SimConfig      `toml:"sim"`
 	Backstop BackstopConfig `toml:"backstop"`
+	Metrics  MetricsConfig  `toml:"metrics"`
 
 	// path is the file this configuration was read from ("" for defaults).
 	path string
@@ -119,6 +121,36 @@ type BackstopConfig struct {
 	MemoryOnViolation       string `toml:"memory_on_violation"`
 	ComputeOnViolation      string `toml:"compute_on_violation"`
 	UnattributedOnViolation string `toml:"unattributed_on_violation"`
+}
+
+// MetricsConfig configures `mgpu-cli metrics serve`, the node's Prometheus
+// exporter (docs/metrics.md).
+type MetricsConfig struct {
+	// Listen is the host:port it serves /metrics on. The default is on
+	// loopback; a scraper elsewhere needs an address it can reach.
+	Listen string `toml:"listen"`
+}
+
+// DefaultMetricsListen is where the exporter listens by default.
+const DefaultMetricsListen = "127.0.0.1:9407"
+
+// Validate checks Listen.
+func (m MetricsConfig) Validate() error {
+	host, port, err := net.SplitHostPort(m.Listen)
+	if err == nil {
+		var n int
+		n, err = strconv.Atoi(port)
+		if err == nil && (n < 0 || n > 65535) {
+			err = fmt.Errorf("port %d outside 0..65535 (0: any free port)", n)
+		}
+	}
+	if err == nil && host != "" && net.ParseIP(host) == nil && host != "localhost" {
+		err = fmt.Errorf("host %q is not an IP address or localhost", host)
+	}
+	if err != nil {
+		return &Error{Key: "metrics.listen", Err: fmt.Errorf("must be host:port (e.g. %q), got %q: %w", DefaultMetricsListen, m.Listen, err)}
+	}
+	return nil
 }
 
 // Actions of the backstop on a violation.
@@ -195,6 +227,7 @@ func Default() *Config {
 			ComputeOnViolation:      DefaultComputeOnViolation,
 			UnattributedOnViolation: DefaultUnattributedOnViolation,
 		},
+		Metrics: MetricsConfig{Listen: DefaultMetricsListen},
 	}
 }
 
@@ -421,6 +454,9 @@ func (c *Config) validate() error {
 		}
 	}
 	if err := c.Backstop.validate(); err != nil {
+		return err
+	}
+	if err := c.Metrics.Validate(); err != nil {
 		return err
 	}
 	if c.Backend == BackendSim && len(c.Sim.GPUs) == 0 {

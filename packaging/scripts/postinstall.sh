@@ -15,6 +15,7 @@ set -e
 
 units="mgpu-enforcers.service mgpu-cdi-refresh.service mgpu-cdi-refresh.path"
 plugin=mgpu-device-plugin.service
+exporter=mgpu-metrics.service
 
 first=
 case "$1" in
@@ -37,7 +38,7 @@ if [ -n "$first" ] && command -v systemctl >/dev/null 2>&1; then
 	# The preset disables the device plugin (not every GPU node is a
 	# Kubernetes node) unless an administrator's preset enables it.
 	# shellcheck disable=SC2086 # a list of unit names
-	systemctl preset $units "$plugin" || :
+	systemctl preset $units "$plugin" "$exporter" || :
 fi
 
 if [ ! -d /run/systemd/system ]; then
@@ -73,4 +74,6 @@ fi
 # The device plugin, after the enforcers it asks about GPU health: only if
 # it runs (an upgrade); a stopped or disabled one stays so.
 systemctl try-restart "$plugin" || :
+# The exporter likewise: restarted with the new binary only if it runs.
+systemctl try-restart "$exporter" || :
 exit 0

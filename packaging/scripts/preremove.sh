@@ -27,13 +27,13 @@ if [ -d /run/systemd/system ]; then
 	# Stopping mgpu-enforcers.service stops every mgpu-enforcer@N (PartOf=);
 	# the explicit stop covers enforcers started on their own. The device
 	# plugin removes its socket from the kubelet's directory as it stops.
-	systemctl disable --now mgpu-device-plugin.service mgpu-cdi-refresh.path mgpu-cdi-refresh.service mgpu-enforcers.service || :
+	systemctl disable --now mgpu-metrics.service mgpu-device-plugin.service mgpu-cdi-refresh.path mgpu-cdi-refresh.service mgpu-enforcers.service || :
 	systemctl stop 'mgpu-enforcer@*.service' || :
 	systemctl disable mgpu-enforcer@.service || :
 else
 	# Offline: only the symlinks of enabled units go.
 	if command -v systemctl >/dev/null 2>&1; then
-		systemctl disable mgpu-device-plugin.service mgpu-cdi-refresh.path mgpu-cdi-refresh.service mgpu-enforcers.service mgpu-enforcer@.service || :
+		systemctl disable mgpu-metrics.service mgpu-device-plugin.service mgpu-cdi-refresh.path mgpu-cdi-refresh.service mgpu-enforcers.service mgpu-enforcer@.service || :
 	fi
 	echo "mgpu: systemd is not running here; stop any mgpu-enforcer or mgpu-device-plugin you started yourself."
 fi

@@ -54,7 +54,7 @@ func (b *bench) report(name string, value float64, unit, target string) {
 }
 
 func main() {
-	only := flag.String("only", "", "comma-separated sections to run (arbiter,launch,alloc,start,share,reclaim,cpu,hook); default all")
+	only := flag.String("only", "", "comma-separated sections to run (arbiter,launch,alloc,start,share,reclaim,cpu,metrics,hook); default all")
 	hookN := flag.Int("hook-containers", 20, "containers per variant (with and without the hooks) and engine in the hook section")
 	rounds := flag.Int("rounds", 5, "interleaved rounds per side-by-side measurement")
 	win := flag.Duration("window", 4*time.Second, "measurement window of each share case")
@@ -81,6 +81,7 @@ func main() {
 		{"share", b.shareError},
 		{"reclaim", b.reclaim},
 		{"cpu", b.enforcerCPU},
+		{"metrics", b.metricsCost},
 		{"hook", b.hookCost},
 	}
 	want := map[string]bool{}
@@ -575,29 +576,32 @@ func (b *bench) enforcerCPU() error {
 }
 
 func cpuOver(pid int, d time.Duration) (float64, error) {
-	ticks := func() (float64, error) {
-		raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if err != nil {
-			return 0, err
-		}
-		s := string(raw)
-		f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
-		u, _ := strconv.ParseFloat(f[11], 64)
-		k, _ := strconv.ParseFloat(f[12], 64)
-		return u + k, nil
-	}
-	t0, err := ticks()
+	t0, err := cpuSeconds(pid)
 	if err != nil {
 		return 0, err
 	}
 	start := time.Now()
 	time.Sleep(d)
-	t1, err := ticks()
+	t1, err := cpuSeconds(pid)
 	if err != nil {
 		return 0, err
 	}
+	return 100 * (t1 - t0) / time.Since(start).Seconds(), nil
+}
+
+// cpuSeconds is the CPU time (user + system) process pid has used, from
+// /proc/<pid>/stat (clock ticks of 10 ms).
+func cpuSeconds(pid int) (float64, error) {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	s := string(raw)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	u, _ := strconv.ParseFloat(f[11], 64)
+	k, _ := strconv.ParseFloat(f[12], 64)
 	const hz = 100 // USER_HZ on Linux
-	return 100 * (t1 - t0) / hz / time.Since(start).Seconds(), nil
+	return (u + k) / hz, nil
 }
 
 // hookCost measures what the OCI hooks add to a container's creation and

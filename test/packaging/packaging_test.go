@@ -143,6 +143,7 @@ func expectedFiles(t *testing.T) map[string]os.FileMode {
 		"/usr/lib/systemd/system/mgpu-cdi-refresh.service":   0o644,
 		"/usr/lib/systemd/system/mgpu-cdi-refresh.path":      0o644,
 		"/usr/lib/systemd/system/mgpu-device-plugin.service": 0o644,
+		"/usr/lib/systemd/system/mgpu-metrics.service":       0o644,
 		"/usr/lib/systemd/system-preset/90-mgpu.preset":      0o644,
 		"/usr/share/doc/mgpu/examples/containerd-mgpu.toml":  0o644,
 		"/usr/share/doc/mgpu/examples/docker-daemon.json":    0o644,
@@ -327,8 +328,8 @@ func TestUnitsVerify(t *testing.T) {
 		}
 		paths = append(paths, p)
 	}
-	if len(paths) != 5 {
-		t.Fatalf("units %q, want 5", paths)
+	if len(paths) != 6 {
+		t.Fatalf("units %q, want 6", paths)
 	}
 	verifyUnits(t, paths...)
 
@@ -340,6 +341,7 @@ func TestUnitsVerify(t *testing.T) {
 	}{
 		{"mgpu-enforcer@.service", 5.0},     // 4.6 now
 		{"mgpu-device-plugin.service", 3.0}, // 2.5 now: no capabilities; TCP only to reach the API server
+		{"mgpu-metrics.service", 3.0},       // no capabilities, writes nothing; TCP to serve
 	} {
 		if level, out := exposure(t, filepath.Join(dir, u.unit)); level > u.max {
 			t.Errorf("%s exposure %.1f, want <= %.1f:\n%s", u.unit, level, u.max, out)
@@ -352,7 +354,7 @@ func TestUnitsVerify(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"enable mgpu-enforcers.service", "disable mgpu-device-plugin.service"} {
+	for _, want := range []string{"enable mgpu-enforcers.service", "disable mgpu-device-plugin.service", "disable mgpu-metrics.service"} {
 		if !regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(want) + `$`).Match(preset) {
 			t.Errorf("90-mgpu.preset has no line %q:\n%s", want, preset)
 		}
@@ -621,18 +623,19 @@ func TestDebInstallUpgradeRemove(t *testing.T) {
 	// The units verify as installed (their ExecStart binaries exist now).
 	verifyUnits(t, "/usr/lib/systemd/system/mgpu-enforcer@.service", "/usr/lib/systemd/system/mgpu-enforcers.service",
 		"/usr/lib/systemd/system/mgpu-cdi-refresh.service", "/usr/lib/systemd/system/mgpu-cdi-refresh.path",
-		"/usr/lib/systemd/system/mgpu-device-plugin.service")
+		"/usr/lib/systemd/system/mgpu-device-plugin.service", "/usr/lib/systemd/system/mgpu-metrics.service")
 	// The preset enabled the units offline (symlinks for the next boot),
-	// all but the device plugin.
+	// all but the device plugin and the exporter.
 	enabled := []string{"mgpu-enforcers.service", "mgpu-cdi-refresh.service", "mgpu-cdi-refresh.path"}
 	for _, u := range enabled {
 		if !exists("/etc/systemd/system/multi-user.target.wants/" + u) {
 			t.Errorf("%s not enabled by the install", u)
 		}
 	}
-	const plugin = "mgpu-device-plugin.service"
-	if exists("/etc/systemd/system/multi-user.target.wants/" + plugin) {
-		t.Errorf("%s enabled by the install, want it disabled (the preset)", plugin)
+	for _, u := range []string{"mgpu-device-plugin.service", "mgpu-metrics.service"} {
+		if exists("/etc/systemd/system/multi-user.target.wants/" + u) {
+			t.Errorf("%s enabled by the install, want it disabled (the preset)", u)
+		}
 	}
 
 	// The operator makes it a simulated one-GPU node. The state directory
@@ -657,7 +660,7 @@ memory_mib = 16384
 	run(t, "dpkg", "-r", "mgpu")
 	for _, f := range []string{"/usr/bin/mgpu-cli", "/usr/bin/mgpu-enforcer", "/usr/bin/mgpu-hook", "/usr/bin/mgpu-device-plugin",
 		"/usr/lib/mgpu/libmgpu-shim.so", "/usr/lib/systemd/system/mgpu-enforcer@.service", "/usr/lib/systemd/system/mgpu-cdi-refresh.path",
-		"/usr/lib/systemd/system/mgpu-device-plugin.service"} {
+		"/usr/lib/systemd/system/mgpu-device-plugin.service", "/usr/lib/systemd/system/mgpu-metrics.service"} {
 		if exists(f) {
 			t.Errorf("%s is still there after dpkg -r", f)
 		}
@@ -680,13 +683,15 @@ memory_mib = 16384
 	n.mustFakeSystemd("dpkg", "-i", debFile(dist, v1))
 	calls := n.calls()
 	t.Logf("reinstall: systemctl calls %q", calls)
-	for _, c := range []string{"preset " + strings.Join(enabled, " ") + " " + plugin, "restart mgpu-cdi-refresh.service", "restart mgpu-enforcers.service"} {
+	for _, c := range []string{"preset " + strings.Join(enabled, " ") + " mgpu-device-plugin.service mgpu-metrics.service", "restart mgpu-cdi-refresh.service", "restart mgpu-enforcers.service"} {
 		if !slices.Contains(calls, c) {
 			t.Errorf("reinstall: no systemctl %s; calls: %q", c, calls)
 		}
 	}
-	if exists(filepath.Join(n.state, "enabled", plugin)) {
-		t.Errorf("reinstall: the preset enabled %s", plugin)
+	for _, u := range []string{"mgpu-device-plugin.service", "mgpu-metrics.service"} {
+		if exists(filepath.Join(n.state, "enabled", u)) {
+			t.Errorf("reinstall: the preset enabled %s", u)
+		}
 	}
 	noPluginStart(t, "reinstall", calls)
 	if got, _ := os.ReadFile("/etc/mgpu/config.toml"); string(got) != cfg {
@@ -710,8 +715,10 @@ memory_mib = 16384
 	if !slices.Contains(calls, "restart mgpu-enforcers.service") {
 		t.Errorf("upgrade: enforcers not restarted; calls: %q", calls)
 	}
-	if !slices.Contains(calls, "try-restart "+plugin) {
-		t.Errorf("upgrade: no systemctl try-restart %s (a running plugin keeps the old binary); calls: %q", plugin, calls)
+	for _, u := range []string{"mgpu-device-plugin.service", "mgpu-metrics.service"} {
+		if !slices.Contains(calls, "try-restart "+u) {
+			t.Errorf("upgrade: no systemctl try-restart %s (a running one keeps the old binary); calls: %q", u, calls)
+		}
 	}
 	noPluginStart(t, "upgrade", calls)
 	for _, c := range calls {
@@ -744,9 +751,10 @@ memory_mib = 16384
 	calls = n.calls()
 	t.Logf("remove: systemctl calls %q", calls)
 	if !slices.ContainsFunc(calls, func(c string) bool {
-		return strings.HasPrefix(c, "disable --now") && slices.Contains(strings.Fields(c), plugin)
+		f := strings.Fields(c)
+		return strings.HasPrefix(c, "disable --now") && slices.Contains(f, "mgpu-device-plugin.service") && slices.Contains(f, "mgpu-metrics.service")
 	}) || !slices.Contains(calls, "stop mgpu-enforcer@*.service") {
-		t.Errorf("remove: units (%s among them) not stopped and disabled; calls: %q", plugin, calls)
+		t.Errorf("remove: units (the device plugin and the exporter among them) not stopped and disabled; calls: %q", calls)
 	}
 	if alive(newPID) {
 		t.Errorf("remove: enforcer %d still runs", newPID)
@@ -775,8 +783,8 @@ func noPluginStart(t *testing.T, step string, calls []string) {
 	for _, c := range calls {
 		f := strings.Fields(c)
 		if len(f) > 1 && (f[0] == "start" || f[0] == "restart" || f[0] == "enable" || f[0] == "reload-or-restart") &&
-			slices.Contains(f[1:], "mgpu-device-plugin.service") {
-			t.Errorf("%s: systemctl %s: the package must not start the device plugin", step, c)
+			(slices.Contains(f[1:], "mgpu-device-plugin.service") || slices.Contains(f[1:], "mgpu-metrics.service")) {
+			t.Errorf("%s: systemctl %s: the package must not start the device plugin or the exporter", step, c)
 		}
 	}
 }
