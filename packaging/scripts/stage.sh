@@ -45,6 +45,8 @@ $cli runtime configure --runtime containerd \
 cp "$tmp/containerd/conf.d/mgpu.toml" "$stage/examples/containerd-mgpu.toml"
 $cli runtime configure --runtime docker --config-file "$tmp/docker/daemon.json" >/dev/null
 cp "$tmp/docker/daemon.json" "$stage/examples/docker-daemon.json"
+# The Grafana dashboard of `mgpu-cli metrics serve` (docs/metrics.md).
+cp packaging/grafana/mgpu-dashboard.json "$stage/examples/grafana-dashboard.json"
 
 cat >"$stage/copyright" <<'COPYRIGHT'
 Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/
