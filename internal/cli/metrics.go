@@ -75,7 +75,11 @@ func metricsServe(c *cli.Context) error {
 	if c.IsSet("listen") {
 		addr = c.String("listen")
 		if err := (config.MetricsConfig{Listen: addr}).Validate(); err != nil {
-			return usagef("--listen: %v", err)
+			var ce *config.Error
+			if errors.As(err, &ce) {
+				err = ce.Err
+			}
+			return usagef("--listen %v", err)
 		}
 	}
 	ln, err := net.Listen("tcp", addr)
