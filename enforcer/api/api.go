@@ -110,13 +110,13 @@ const MaxPodRefLen = 253
 // Validate checks that every field is set, printable and at most
 // MaxPodRefLen bytes.
 func (p *PodRef) Validate() error {
-	for _, f := range [][2]string{{"namespace", p.Namespace}, {"name", p.Name}, {"container", p.Container}} {
-		if f[1] == "" || len(f[1]) > MaxPodRefLen {
-			return fmt.Errorf("%w: pod %s must be 1 to %d bytes", ErrBadRequest, f[0], MaxPodRefLen)
+	for _, f := range []struct{ key, val string }{{"namespace", p.Namespace}, {"name", p.Name}, {"container", p.Container}} {
+		if f.val == "" || len(f.val) > MaxPodRefLen {
+			return fmt.Errorf("%w: pod %s must be 1 to %d bytes", ErrBadRequest, f.key, MaxPodRefLen)
 		}
-		for _, c := range f[1] {
+		for _, c := range f.val {
 			if !unicode.IsPrint(c) || c == ' ' {
-				return fmt.Errorf("%w: pod %s %q has a character that is not printable", ErrBadRequest, f[0], f[1])
+				return fmt.Errorf("%w: pod %s %q has a character that is not printable", ErrBadRequest, f.key, f.val)
 			}
 		}
 	}

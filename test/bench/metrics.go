@@ -72,7 +72,7 @@ func (b *bench) metricsCost() error {
 		if err != nil {
 			return err
 		}
-		defer resp.Body.Close()
+		defer func() { _ = resp.Body.Close() }()
 		body, err := io.ReadAll(resp.Body)
 		if err == nil && !strings.Contains(string(body), "mgpu_instance_gpu_seconds_total") {
 			err = fmt.Errorf("%s: no instance series in the answer", url)
