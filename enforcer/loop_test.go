@@ -191,13 +191,15 @@ func TestIdleCost(t *testing.T) {
 	measure("active (a thread waits, ticks at the arbiter's next decision)", 25)
 }
 
-func benchmarkTick(b *testing.B, n int) {
+// benchEnforcer is an enforcer (not running its loop) with n instances of
+// 4 attached processes each, every other one with a thread waiting.
+func benchEnforcer(b *testing.B, n int) *Enforcer {
 	env := newEnv(b, withMaxInstances(n))
 	e, err := New(env.cfg, 0)
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer e.Close()
+	b.Cleanup(func() { e.Close() })
 	for range n {
 		if _, err := e.Create(tree(os.Getpid(), 1, 1)); err != nil {
 			b.Fatal(err)
@@ -212,6 +214,11 @@ func benchmarkTick(b *testing.B, n int) {
 		in.reg.Proc(0).Waiting.Store(uint32(k % 2))
 	}
 	e.mu.Unlock()
+	return e
+}
+
+func benchmarkTick(b *testing.B, n int) {
+	e := benchEnforcer(b, n)
 	b.ReportAllocs()
 	for b.Loop() {
 		e.mu.Lock()
@@ -231,25 +238,7 @@ func BenchmarkTick16(b *testing.B) { benchmarkTick(b, 16) }
 // and written after it is released), so this is the time a tick may wait.
 func BenchmarkScrape16(b *testing.B) {
 	const n = 16
-	env := newEnv(b, withMaxInstances(n))
-	e, err := New(env.cfg, 0)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer e.Close()
-	for range n {
-		if _, err := e.Create(tree(os.Getpid(), 1, 1)); err != nil {
-			b.Fatal(err)
-		}
-	}
-	e.mu.Lock()
-	for _, in := range e.list {
-		for s := range 4 {
-			in.reg.Proc(s).Claim(uint32(os.Getpid()), 1)
-			in.setUsed(s)
-		}
-	}
-	e.mu.Unlock()
+	e := benchEnforcer(b, n)
 	b.ReportAllocs()
 	for b.Loop() {
 		_ = e.Device()

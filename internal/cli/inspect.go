@@ -18,22 +18,16 @@ import (
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/internal/config"
 	"github.com/mgpu-dev/mgpu/internal/device"
+	"github.com/mgpu-dev/mgpu/internal/metrics"
 )
 
-// enforcerSource is what inspect and top read of one device's enforcer;
-// *api.Client is the real one.
-type enforcerSource interface {
-	Device(ctx context.Context) (api.DeviceResponse, error)
-	List(ctx context.Context) ([]api.Instance, error)
-	Stats(ctx context.Context) ([]api.InstanceStats, error)
-}
-
-// sourceOf returns the enforcer of device index; tests replace it.
-var sourceOf = func(cfg *config.Config, index int) enforcerSource { return controlClient(cfg, index) }
+// sourceOf returns the enforcer of device index (what inspect and top read
+// of it, the metrics exporter's source too); tests replace it.
+var sourceOf = func(cfg *config.Config, index int) metrics.Source { return controlClient(cfg, index) }
 
 // enforcerSources returns one source per device of devs, in their order.
-func enforcerSources(cfg *config.Config, devs []device.Info) []enforcerSource {
-	srcs := make([]enforcerSource, len(devs))
+func enforcerSources(cfg *config.Config, devs []device.Info) []metrics.Source {
+	srcs := make([]metrics.Source, len(devs))
 	for i, d := range devs {
 		srcs[i] = sourceOf(cfg, d.Index)
 	}
@@ -74,7 +68,7 @@ type nodeSample struct {
 // order) at once: its device answer and, with instances, its instance list
 // and statistics. A device whose enforcer fails has Err set; sampleNode
 // itself does not fail.
-func sampleNode(ctx context.Context, devs []device.Info, srcs []enforcerSource, instances bool, now func() time.Time) nodeSample {
+func sampleNode(ctx context.Context, devs []device.Info, srcs []metrics.Source, instances bool, now func() time.Time) nodeSample {
 	s := nodeSample{At: now(), Devices: make([]deviceSample, len(devs))}
 	var wg sync.WaitGroup
 	for i, d := range devs {
@@ -88,7 +82,7 @@ func sampleNode(ctx context.Context, devs []device.Info, srcs []enforcerSource, 
 	return s
 }
 
-func sampleDevice(ctx context.Context, d device.Info, src enforcerSource, instances bool) deviceSample {
+func sampleDevice(ctx context.Context, d device.Info, src metrics.Source, instances bool) deviceSample {
 	ctx, cancel := context.WithTimeout(ctx, controlTimeout)
 	defer cancel()
 	s := deviceSample{Info: d}

@@ -14,6 +14,7 @@ import (
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/internal/config"
 	"github.com/mgpu-dev/mgpu/internal/device"
+	"github.com/mgpu-dev/mgpu/internal/metrics"
 )
 
 // fakeEnforcer answers like a device's enforcer, from fixed data.
@@ -113,8 +114,8 @@ var errNotListening = fmt.Errorf("%w (no one listens on /run/mgpu/gpu1/control.s
 
 // fakeSources are the fake node's enforcers at sample step: device 0's, and
 // none on device 1.
-func fakeSources(step int) []enforcerSource {
-	return []enforcerSource{fakeDevice0(step), &fakeEnforcer{err: errNotListening}}
+func fakeSources(step int) []metrics.Source {
+	return []metrics.Source{fakeDevice0(step), &fakeEnforcer{err: errNotListening}}
 }
 
 // fakeSample samples the fake node at step, taken at t0 + step seconds.
@@ -128,7 +129,7 @@ func fakeSample(step int) nodeSample {
 func useFakeDevice0(t *testing.T) {
 	t.Helper()
 	orig := sourceOf
-	sourceOf = func(cfg *config.Config, index int) enforcerSource {
+	sourceOf = func(cfg *config.Config, index int) metrics.Source {
 		if index == 0 {
 			return fakeDevice0(0)
 		}
@@ -313,7 +314,7 @@ func TestInspectErrors(t *testing.T) {
 func TestSampleNodeErrors(t *testing.T) {
 	denied := errors.New("enforcer at /run/mgpu/gpu0/control.sock: dial unix: permission denied")
 	devs := fakeDevices()
-	s := sampleNode(context.Background(), devs, []enforcerSource{&fakeEnforcer{err: denied}, &fakeEnforcer{err: errNotListening}}, true, time.Now)
+	s := sampleNode(context.Background(), devs, []metrics.Source{&fakeEnforcer{err: denied}, &fakeEnforcer{err: errNotListening}}, true, time.Now)
 	if len(s.Devices) != 2 || s.Devices[0].Running() || s.Devices[0].NotRunning() || !s.Devices[1].NotRunning() {
 		t.Fatalf("%+v", s)
 	}
@@ -321,7 +322,7 @@ func TestSampleNodeErrors(t *testing.T) {
 		t.Errorf("problem %q, want %q", got, want)
 	}
 	// Only the device answer is asked for without instances.
-	s = sampleNode(context.Background(), devs[:1], []enforcerSource{&onlyDevice{fakeDevice0(0)}}, false, time.Now)
+	s = sampleNode(context.Background(), devs[:1], []metrics.Source{&onlyDevice{fakeDevice0(0)}}, false, time.Now)
 	if !s.Devices[0].Running() || s.Devices[0].Instances != nil {
 		t.Fatalf("%+v", s)
 	}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/internal/metrics"
 )
 
 // asMainEnv makes the test binary run mgpu-cli (Main with its arguments)
@@ -106,7 +107,7 @@ func TestTopRates(t *testing.T) {
 		return api.InstanceStats{Name: name, GPUNs: gpuNs, DemandThrottledNs: throttled}
 	}
 	sample := func(when time.Time, e *fakeEnforcer) nodeSample {
-		return sampleNode(context.Background(), fakeDevices()[:1], []enforcerSource{e}, true, func() time.Time { return when })
+		return sampleNode(context.Background(), fakeDevices()[:1], []metrics.Source{e}, true, func() time.Time { return when })
 	}
 	running := func(started time.Time, busy uint64, list []api.Instance, stats ...api.InstanceStats) *fakeEnforcer {
 		return &fakeEnforcer{device: api.DeviceResponse{Policy: "fixed-share", EnforcerPID: 7, Started: started, BusyNs: busy}, list: list, stats: stats}

@@ -554,16 +554,7 @@ func (b *bench) enforcerCPU() error {
 		return err
 	}
 	b.report("enforcer_cpu_idle", idle, "% of a core", "")
-	jobs := make([]*harness.Job, 16)
-	for i := range jobs {
-		j, err := n.Start(harness.RunSpec{Device: 0, Core: 6, MemoryMiB: 1024,
-			Args: []string{"compute", "--api", "launch", "--kernel-us", "500", "--depth", "4", "--seconds", "17"}})
-		if err != nil {
-			return err
-		}
-		jobs[i] = j
-	}
-	if err := waitStarted(jobs); err != nil {
+	if _, err := startBusy16(n, 17); err != nil {
 		return err
 	}
 	// 10 s: the process's CPU time is counted in clock ticks (10 ms).
@@ -573,6 +564,22 @@ func (b *bench) enforcerCPU() error {
 	}
 	b.report("enforcer_cpu_16_busy", busy, "% of a core", "")
 	return nil
+}
+
+// startBusy16 starts 16 saturating instances of 6 % on device 0 for the
+// given seconds and waits until each launches; the jobs started so far are
+// returned also with an error.
+func startBusy16(n *harness.Node, seconds int) ([]*harness.Job, error) {
+	var jobs []*harness.Job
+	for range 16 {
+		j, err := n.Start(harness.RunSpec{Device: 0, Core: 6, MemoryMiB: 1024,
+			Args: []string{"compute", "--api", "launch", "--kernel-us", "500", "--depth", "4", "--seconds", strconv.Itoa(seconds)}})
+		if err != nil {
+			return jobs, err
+		}
+		jobs = append(jobs, j)
+	}
+	return jobs, waitStarted(jobs)
 }
 
 func cpuOver(pid int, d time.Duration) (float64, error) {

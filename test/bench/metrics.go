@@ -1,14 +1,11 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"io"
 	"net/http"
-	"os/exec"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/mgpu-dev/mgpu/test/harness"
@@ -30,38 +27,20 @@ func (b *bench) metricsCost() error {
 	if err := n.StartEnforcer(0); err != nil {
 		return err
 	}
-	jobs := make([]*harness.Job, 16)
-	for i := range jobs {
-		j, err := n.Start(harness.RunSpec{Device: 0, Core: 6, MemoryMiB: 1024,
-			Args: []string{"compute", "--api", "launch", "--kernel-us", "500", "--depth", "4", "--seconds", "600"}})
-		if err != nil {
-			return err
-		}
-		jobs[i] = j
-	}
+	jobs, err := startBusy16(n, 600)
 	defer func() {
 		for _, j := range jobs {
 			j.Kill()
 		}
 	}()
-	if err := waitStarted(jobs); err != nil {
-		return err
-	}
-	exp := exec.Command(n.CLI, "--config", n.ConfigPath, "metrics", "serve", "--listen", "127.0.0.1:0") //nolint:gosec // the build's CLI
-	exp.Env = n.Env()
-	exp.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	stderr, err := exp.StderrPipe()
 	if err != nil {
 		return err
 	}
-	if err := exp.Start(); err != nil {
+	addr, exp, err := n.StartMetrics()
+	if err != nil {
 		return err
 	}
 	defer func() { _ = exp.Process.Kill(); _ = exp.Wait() }()
-	addr, err := servingAddr(stderr)
-	if err != nil {
-		return err
-	}
 	url := "http://" + addr + "/metrics"
 	scrape := func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -130,24 +109,4 @@ func (b *bench) metricsCost() error {
 	b.report("metrics_scrape_wall", 1000*wall/float64(b.rounds), "ms", "")
 	b.report("metrics_cpu_at_15s_scrapes", 100*perScrape/15, "% of a core", "<= 0.5 (16 instances)")
 	return nil
-}
-
-// servingAddr reads `mgpu-cli metrics serve`'s stderr until it says where
-// it listens.
-func servingAddr(stderr io.Reader) (string, error) {
-	addr := make(chan string, 1)
-	go func() {
-		sc := bufio.NewScanner(stderr)
-		for sc.Scan() {
-			if _, rest, ok := strings.Cut(sc.Text(), "serving metrics on http://"); ok {
-				addr <- strings.TrimSuffix(rest, "/metrics")
-			}
-		}
-	}()
-	select {
-	case a := <-addr:
-		return a, nil
-	case <-time.After(15 * time.Second):
-		return "", fmt.Errorf("mgpu-cli metrics serve did not say where it listens")
-	}
 }

@@ -7,6 +7,7 @@
 package harness
 
 import (
+	"bufio"
 	"bytes"
 	"fmt"
 	"io"
@@ -481,4 +482,38 @@ func (s *SyncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// StartMetrics runs `mgpu-cli metrics serve` on a free loopback port for
+// the node's devices and returns its address (host:port, from the line it
+// prints when it listens) and the process, which the caller stops (SIGTERM)
+// and waits for.
+func (n *Node) StartMetrics() (string, *exec.Cmd, error) {
+	cmd := exec.Command(n.CLI, "--config", n.ConfigPath, "metrics", "serve", "--listen", "127.0.0.1:0") //nolint:gosec // the build's CLI
+	cmd.Env = n.Env()
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		return "", nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return "", nil, err
+	}
+	addr := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			if _, rest, ok := strings.Cut(sc.Text(), "serving metrics on http://"); ok {
+				addr <- strings.TrimSuffix(rest, "/metrics")
+			}
+		}
+	}()
+	select {
+	case a := <-addr:
+		return a, cmd, nil
+	case <-time.After(15 * time.Second):
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		return "", nil, fmt.Errorf("harness: mgpu-cli metrics serve did not say where it listens")
+	}
 }

@@ -1,7 +1,6 @@
 package process
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -14,7 +13,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -209,36 +207,15 @@ func indexOf(list []string, s string) int {
 // returns its address.
 func startExporter(t *testing.T, n *harness.Node) string {
 	t.Helper()
-	cmd := exec.Command(n.CLI, "--config", n.ConfigPath, "metrics", "serve", "--listen", "127.0.0.1:0") //nolint:gosec // the build's CLI
-	cmd.Env = n.Env()
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	stderr, err := cmd.StderrPipe()
+	addr, cmd, err := n.StartMetrics()
 	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		_ = cmd.Wait()
 	})
-	addr := make(chan string, 1)
-	go func() {
-		sc := bufio.NewScanner(stderr)
-		for sc.Scan() {
-			if _, rest, ok := strings.Cut(sc.Text(), "serving metrics on http://"); ok {
-				addr <- strings.TrimSuffix(rest, "/metrics")
-			}
-		}
-	}()
-	select {
-	case a := <-addr:
-		return a
-	case <-time.After(15 * time.Second):
-		t.Fatal("mgpu-cli metrics serve did not say where it listens")
-	}
-	return ""
+	return addr
 }
 
 // startPrometheus runs prometheus on loopback, scraping target every
