@@ -99,6 +99,7 @@ struct sstate {
     uint64_t avg_ns;  /* mean GPU time per launch; 0: not measured yet */
     uint64_t clean_ns; /* mean GPU time per launch of batches no other instance ran inside */
     uint64_t clean_n;  /* samples in clean_ns (it is used from MGPU_CLEAN_MIN on) */
+    uint64_t clean_dev; /* mean absolute deviation of the clean samples from clean_ns */
     uint64_t per_mark;
     uint64_t queued_ns; /* this stream's part of the device's queued_ns */
     /* queued_ns counts each launch at the estimate in force when it was
@@ -308,6 +309,7 @@ static void ss_reset(struct sstate *ss)
     ss->avg_ns = 0;
     ss->clean_ns = 0;
     ss->clean_n = 0;
+    ss->clean_dev = 0;
     ss->per_mark = 1;
     ss->queued_ns = 0;
     ss->cur_est = ss->est_total = ss->folded = ss->est_done = 0;
@@ -369,10 +371,40 @@ static void learn(struct sstate *ss, uint64_t sample)
  * inside: an unbiased mean, what an interleaved batch is charged by. */
 static void learn_clean(struct sstate *ss, uint64_t sample)
 {
+    /* the spread first, around the mean it is measured from: a moving
+     * mean absolute deviation over about 16 samples */
+    if (ss->clean_n) {
+        uint64_t d = sample > ss->clean_ns ? sample - ss->clean_ns : ss->clean_ns - sample;
+        uint64_t wd = ss->clean_n < 16 ? ss->clean_n : 16;
+        ss->clean_dev = (ss->clean_dev * (wd - 1) + d + wd / 2) / wd;
+    }
     /* the mean of the first samples, then a moving average over about 8 */
     uint64_t w = ss->clean_n < 8 ? ss->clean_n + 1 : 8;
     ss->clean_ns = (ss->clean_ns * (w - 1) + sample + w / 2) / w;
     ss->clean_n++;
+}
+
+/* Whether a contended batch of timed launches that measured dur (its own
+ * events, not the gap before it that batch_time may add) evidently had
+ * another instance's work inside it: it took more than its launches take
+ * when nobody else runs (est each) by a quarter, and by more than the
+ * clean batches' own spread allows.  A process's own batches spread: on
+ * the simulated GPU a 30 of four threads on one stream, 50 µs kernels,
+ * measured 74 µs per launch at the median and 102-123 µs at the 97th-99th
+ * percentile in batches nobody else ran inside, so a quarter over the mean
+ * called its upper tail interleaved and charged 5.7 % less than it ran.
+ * The spread of a sum of timed launches grows as its square root:
+ * interleaved once the excess is over 4 mean absolute deviations (about
+ * 3 standard deviations) times sqrt(timed). */
+static int interleaved(const struct sstate *ss, uint64_t timed, uint64_t dur, uint64_t est)
+{
+    uint64_t own = timed * est;
+    if (dur <= own + own / 4)
+        return 0;
+    if (ss->clean_n < MGPU_CLEAN_MIN)
+        return 1;
+    double x = (double)(dur - own), dev = (double)ss->clean_dev;
+    return x * x > 16.0 * dev * dev * (double)timed;
 }
 
 /* GPU time per launch that an interleaved batch is charged at most: the
@@ -451,14 +483,15 @@ static void poll_ss(struct sstate *ss, uint64_t pending)
                     uint64_t add = batch_time(ss, m->ref, m->end, (uint64_t)dur + first, first, m->contig, cont, &kept);
                     /* Interleaved: charged what its launches take when
                      * nobody else runs (the clean estimate), once it
-                     * measured more than that by a quarter (another
-                     * instance's work inside it).  Capping every contended
+                     * measured evidently more than that (interleaved()).
+                     * Capping every contended
                      * batch at the mean charged less than the device ran:
                      * a batch's own time spreads around the mean, and
                      * cutting the upper half under-charged a 30 of 100 µs
                      * kernels by 2.2 points beside a 70 of 8 ms ones. */
                     uint64_t est = clean_est(ss);
-                    if (cont && est && timed * est + timed * est / 4 + first < add)
+                    if (cont && est && dur > 0 && interleaved(ss, timed, (uint64_t)dur, est) &&
+                        timed * est + first < add)
                         add = timed * est + first;
                     gpu += add;
 #ifdef MGPU_TRACE
