@@ -24,6 +24,11 @@
 //     instance returning from idle bursts at most about one period's worth,
 //     and floored at -Period. Only an instance with credit > 0 may hold; a
 //     non-holder needs credit >= min(H, cap/2) to be picked (H below).
+//     While the instances with demand subscribe the whole device (cores
+//     summing to 100), what a waiting one earns beyond its cap is taken
+//     from all of them in proportion to their cores (shedAtCaps), so that
+//     time nobody used is not lost by the instance with the smallest cap
+//     alone.
 //   - guaranteed-burst-share and native-burst-share: the device time charged
 //     to anyone in the tick is handed out to the instances with demand in
 //     proportion to c (credit += c/Σc_demand * charged_total). Instances
@@ -453,6 +458,10 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		for i := range a.inst {
 			in := &a.inst[i]
 			in.credit += in.weight/100*acc - in.charged
+		}
+		a.shedAtCaps()
+		for i := range a.inst {
+			in := &a.inst[i]
 			in.credit = min(max(in.credit, -a.period), a.cap(in))
 		}
 	} else {
@@ -519,6 +528,46 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		a.out = append(a.out, a.inst[next].id)
 	}
 	return a.out
+}
+
+// shedAtCaps: under fixed-share, while the instances with demand subscribe
+// the whole device (their cores sum to 100), credit one of them earns beyond
+// its cap is taken from all of them in proportion to their cores, not from
+// it alone (a waiting one: the holder's is clamped as before).
+//
+// Every instance earns its share of wall time and is charged only the time
+// it uses, so time nobody uses (hand-offs, a holder whose queue runs empty
+// between synchronised steps) leaves credit that the instances with demand
+// cannot all spend: their credits drift up until a cap stops them. The caps
+// are proportional to the cores, so the instance with the smallest cap
+// reached its own first, waiting while a larger one held the grant, and
+// lost the whole drift: with PyTorch loops that read every step's result
+// back, a fixed-share 30 beside a 70 got 21 % of an H200 (the 70 its 70 %),
+// a 20 beside a 30 and a 50 got 11 %, and the simulated GPU showed the same
+// with mgpu-workload --sync-every. Shed in proportion to the cores, the
+// loss is shared as the device is, and the others' credit no longer stays
+// above the capped one's, so the grant reaches it. Credit below the caps is
+// untouched: the drift still lets holders make up for lost time as before.
+func (a *Arbiter) shedAtCaps() {
+	var w, lambda float64
+	for i := range a.inst {
+		in := &a.inst[i]
+		if !in.demand {
+			continue
+		}
+		w += in.weight
+		if over := in.credit - a.cap(in); over > 0 && i != a.holder {
+			lambda = max(lambda, over/in.weight)
+		}
+	}
+	if lambda <= 0 || w != 100 {
+		return
+	}
+	for i := range a.inst {
+		if in := &a.inst[i]; in.demand {
+			in.credit -= lambda * in.weight
+		}
+	}
 }
 
 // cap is a fixed-share instance's credit ceiling.
@@ -762,9 +811,9 @@ func (a *Arbiter) NextDecision() time.Duration {
 		return a.after(t)
 	}
 	hi := &a.inst[h]
-	o := outlook{fixed: a.fixed, disc: max(0, hi.discount), hc: hi.credit, hcap: math.Inf(1)}
+	o := outlook{fixed: a.fixed, disc: max(0, hi.discount), hc: hi.credit, hcap: math.Inf(1), freeze: math.Inf(1)}
 	if a.fixed {
-		o.he, o.hcap = hi.weight/100, a.cap(hi)
+		o.he, o.hcap, o.freeze = hi.weight/100, a.cap(hi), a.freezeAfter(h)
 		t = min(t, o.reach(0, -1, 0, 0)) // credit > 0 no longer holds
 	} else {
 		wd := 0.0
@@ -785,6 +834,9 @@ func (a *Arbiter) NextDecision() time.Duration {
 		te, ceil := a.enterAfter(in), math.Inf(1)
 		if a.fixed {
 			ceil = a.cap(in)
+			if te > o.freeze {
+				te = math.Inf(1) // nobody earns once the credits are frozen
+			}
 		}
 		enter = min(enter, te)
 		if te >= t {
@@ -808,6 +860,30 @@ func (a *Arbiter) NextDecision() time.Duration {
 		t = min(t, a.period)
 	}
 	return a.after(t)
+}
+
+// freezeAfter is how long (ns after the last Tick) until, under
+// fixed-share, a waiting instance with demand reaches its cap while the
+// instances with demand subscribe the whole device: from then on what any
+// of them earns is shed again (shedAtCaps) and only the holder's credit
+// moves. +Inf if that does not happen.
+func (a *Arbiter) freezeAfter(h int) float64 {
+	var w float64
+	t := math.Inf(1)
+	for i := range a.inst {
+		in := &a.inst[i]
+		if !in.demand {
+			continue
+		}
+		w += in.weight
+		if i != h {
+			t = min(t, max(0, (a.cap(in)-in.credit)/(in.weight/100)))
+		}
+	}
+	if w != 100 {
+		return math.Inf(1)
+	}
+	return t
 }
 
 // dryAfter is how long (ns after the last Tick) until holder h may be
@@ -840,12 +916,13 @@ type outlook struct {
 	disc       float64
 	hc, he, wd float64
 	hcap       float64
+	freeze     float64 // fixed-share: from then on nobody earns (shedAtCaps); +Inf if never
 }
 
 // earning is how much of [0, t] earns credit.
 func (o *outlook) earning(t float64) float64 {
 	if o.fixed {
-		return t
+		return min(t, o.freeze)
 	}
 	return max(0, t-o.disc)
 }
@@ -853,7 +930,7 @@ func (o *outlook) earning(t float64) float64 {
 // holder is the holder's credit at a Tick t after the last.
 func (o *outlook) holder(t float64) float64 {
 	if o.fixed {
-		return min(o.hc+o.he*t-max(0, t-o.disc), o.hcap)
+		return min(o.hc+o.he*o.earning(t)-max(0, t-o.disc), o.hcap)
 	}
 	return o.hc - (1-o.he)*max(0, t-o.disc)
 }
@@ -872,7 +949,7 @@ func (o *outlook) reach(x, c, rate, ceil float64) float64 {
 		return min(c+rate*o.earning(t), ceil) - o.holder(t)
 	}
 	inf := math.Inf(1)
-	bp := [4]float64{o.disc, inf, inf, inf} // breakpoints, then sorted
+	bp := [5]float64{o.disc, inf, inf, inf, o.freeze} // breakpoints, then sorted
 	if rate > 0 && !math.IsInf(ceil, 1) {
 		bp[1] = max(0, (ceil-c)/rate)
 		if !o.fixed {
@@ -887,7 +964,7 @@ func (o *outlook) reach(x, c, rate, ceil float64) float64 {
 			bp[3] = o.disc + max(0, o.hc+o.he*o.disc-o.hcap)/b
 		}
 	}
-	for i := 1; i < len(bp); i++ { // sort (insertion: 4 values)
+	for i := 1; i < len(bp); i++ { // sort (insertion: 5 values)
 		for j := i; j > 0 && bp[j] < bp[j-1]; j-- {
 			bp[j], bp[j-1] = bp[j-1], bp[j]
 		}

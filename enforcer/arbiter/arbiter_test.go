@@ -1,6 +1,7 @@
 package arbiter
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -379,5 +380,57 @@ func BenchmarkTickNext16(b *testing.B) {
 func BenchmarkTickNext64(b *testing.B) {
 	for _, p := range []policy.Policy{policy.FixedShare, policy.NativeBurstShare} {
 		b.Run(p.String(), func(b *testing.B) { benchTickNext(b, 64, p, true) })
+	}
+}
+
+// TestFixedShareHoldersThatLeaveIdle: instances whose holds leave part of
+// the device idle (an application that reads every step's result back lets
+// its queue run empty) still split the device by their cores under
+// fixed-share. The idle time is credit nobody can spend; it used to pile up
+// until the smallest cap stopped it, and the smallest instance lost all of
+// it: a 30 beside a 70 got 21 % of an H200, a 20 beside a 30 and a 50 11 %.
+func TestFixedShareHoldersThatLeaveIdle(t *testing.T) {
+	t.Parallel()
+	for _, cores := range [][]int{{30, 70}, {20, 30, 50}} {
+		t.Run(fmt.Sprint(cores), func(t *testing.T) {
+			t.Parallel()
+			// The enforcer's settings (enforcer/instance.go).
+			a := New(Config{Policy: policy.FixedShare, MaxQueued: 2 * ms, Handoff: HandoffTimed, Quantum: 20 * ms})
+			usage := map[int]Usage{}
+			for i, c := range cores {
+				a.Add(i, c)
+				usage[i] = Usage{Waiting: true}
+			}
+			const busy = 0.9 // of each hold
+			used := make([]time.Duration, len(cores))
+			var now time.Duration
+			for now = 0; now < 20*sec; now += ms {
+				h, held := a.Holder()
+				for id, u := range usage {
+					u.Waiting = !held || id != h
+					u.Queued = 0
+					if held && id == h {
+						d := time.Duration(busy * float64(ms))
+						u.GPUTime += d
+						u.Launches += 4
+						u.Queued = ms
+						used[id] += d
+					}
+					usage[id] = u
+				}
+				a.Tick(now, usage)
+			}
+			var sum time.Duration
+			for _, u := range used {
+				sum += u
+			}
+			for i, c := range cores {
+				split := 100 * float64(used[i]) / float64(sum)
+				if math.Abs(split-float64(c)) > 1 {
+					t.Errorf("instance %d (core %d): %.2f %% of the time used, want %d ± 1 (device %.1f %% busy)",
+						i, c, split, c, 100*float64(sum)/float64(now))
+				}
+			}
+		})
 	}
 }
