@@ -65,18 +65,28 @@ func Create(dir string, p Params) (*Region, error) {
 }
 
 func create(dir string, p Params) (*Region, error) {
+	// Each file is created, sized and mapped through one descriptor,
+	// opened relative to the directory: a create is on the path of every
+	// container start (the hook waits for it), and opening each of the 129
+	// files twice through os.OpenFile cost 8 ms here.
+	dfd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open %s: %w", dir, err)
+	}
+	defer func() { _ = unix.Close(dfd) }()
+	r := &Region{dir: dir}
 	for i := range MaxProcs {
-		if err := makeFile(filepath.Join(dir, ProcName(i)), ProcFileSize); err != nil {
+		if r.procs[i], err = makeMapped(dfd, ProcName(i), ProcFileSize); err != nil {
+			_ = r.Close()
 			return nil, err
 		}
+		r.c[i] = (*Counters)(unsafe.Pointer(&r.procs[i][0]))
 	}
-	if err := makeFile(filepath.Join(dir, ControlName), ControlFileSize); err != nil {
+	if r.ctl, err = makeMapped(dfd, ControlName, ControlFileSize); err != nil {
+		_ = r.Close()
 		return nil, err
 	}
-	r, err := mapDir(dir)
-	if err != nil {
-		return nil, err
-	}
+	r.l = (*Layout)(unsafe.Pointer(&r.ctl[0]))
 	l := r.l
 	l.Version = Version
 	l.Size = ControlFileSize
@@ -97,16 +107,22 @@ func create(dir string, p Params) (*Region, error) {
 	return r, nil
 }
 
-func makeFile(path string, size int64) error {
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600) //nolint:gosec // the enforcer's own run directory
+// makeMapped creates name in the directory dfd (0600, it must not exist),
+// sizes it and maps it shared.
+func makeMapped(dfd int, name string, size int) ([]byte, error) {
+	fd, err := unix.Openat(dfd, name, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_CLOEXEC, 0o600)
 	if err != nil {
-		return err
+		return nil, fmt.Errorf("create %s: %w", name, err)
 	}
-	err = f.Truncate(size)
-	if cerr := f.Close(); err == nil {
-		err = cerr
+	defer func() { _ = unix.Close(fd) }()
+	if err := unix.Ftruncate(fd, int64(size)); err != nil {
+		return nil, fmt.Errorf("size %s: %w", name, err)
 	}
-	return err
+	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("mmap %s: %w", name, err)
+	}
+	return mem, nil
 }
 
 // Open maps an existing region directory and checks its header.
