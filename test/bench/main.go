@@ -613,7 +613,8 @@ func cpuSeconds(pid int) (float64, error) {
 
 // hookCost measures what the OCI hooks add to a container's creation and
 // removal (test/e2e.HookBench: containers with and without the hooks,
-// interleaved, in one run), with containerd 2.x (ctr) and podman. It needs
+// interleaved, in one run), with containerd 2.x (ctr), podman and a Docker
+// engine. It needs
 // root and the engines (test/e2e/deps.sh); without them the section says so
 // on stderr and reports nothing.
 func (b *bench) hookCost() error {
@@ -621,11 +622,15 @@ func (b *bench) hookCost() error {
 		fmt.Fprintln(os.Stderr, "mgpu-bench: hook: skipped: containers need root")
 		return nil
 	}
-	for _, engine := range []string{"ctr", "podman"} {
+	for _, engine := range []string{"ctr", "podman", "docker"} {
 		switch engine {
-		case "ctr":
+		case "ctr", "docker":
 			if _, err := e2e.ContainerdBinaries(); err != nil {
-				fmt.Fprintf(os.Stderr, "mgpu-bench: hook: ctr skipped: %v\n", err)
+				fmt.Fprintf(os.Stderr, "mgpu-bench: hook: %s skipped: %v\n", engine, err)
+				continue
+			}
+			if _, _, err := e2e.DockerBinaries(); engine == "docker" && err != nil {
+				fmt.Fprintf(os.Stderr, "mgpu-bench: hook: docker skipped: %v\n", err)
 				continue
 			}
 		case "podman":

@@ -3,15 +3,18 @@
 #   - Debian's runc, podman (4.3 on Debian 12) and busybox-static (the
 #     containers' root filesystem);
 #   - containerd 2.x, ctr and containerd-shim-runc-v2, built from containerd's
-#     Go module (Debian's containerd 1.6 has no CDI) into a cache directory.
+#     Go module (Debian's containerd 1.6 has no CDI) into a cache directory;
+#   - the Docker engine (dockerd) built from moby's Go module into the same
+#     cache (the docker CLI must be on PATH already).
 # Reruns do nothing when everything is there. Needs root for apt-get.
 #
 #   MGPU_E2E_CACHE       cache directory (default /var/cache/mgpu-e2e);
 #                        binaries land in $MGPU_E2E_CACHE/bin
 #   CONTAINERD_VERSION   containerd module version (default v2.4.2)
+#   DOCKERD_VERSION      github.com/moby/moby/v2 version (default v2.0.0-beta.24)
 #
 # The tests find containerd in $MGPU_E2E_CACHE/bin (or $MGPU_CONTAINERD, or
-# PATH).
+# PATH), dockerd there too (or $MGPU_DOCKERD, or PATH).
 set -eu
 
 CACHE=${MGPU_E2E_CACHE:-/var/cache/mgpu-e2e}
@@ -68,3 +71,26 @@ else
 		"github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$CONTAINERD_VERSION"
 	"$BIN/containerd" --version >&2
 fi
+
+# --- Docker engine (dockerd) from its Go module -----------------------------
+# The docker CLI comes with the machine image (28.2.2 here; CDI device names
+# need a CLI of Docker 25+): only the engine is built.
+DOCKERD_VERSION=${DOCKERD_VERSION:-v2.0.0-beta.24}
+have=""
+if [ -x "$BIN/dockerd" ]; then
+	# "	mod	github.com/moby/moby/v2	v2.0.0-beta.24	h1:..."
+	have=$(go version -m "$BIN/dockerd" 2>/dev/null | awk '$1 == "mod" && $2 == "github.com/moby/moby/v2" {print $3}')
+fi
+if [ "$have" = "$DOCKERD_VERSION" ]; then
+	log "dockerd $DOCKERD_VERSION: $BIN"
+else
+	command -v go >/dev/null || { log "go is needed to build dockerd"; exit 1; }
+	log "building dockerd $DOCKERD_VERSION into $BIN (about 2 minutes)"
+	mkdir -p "$BIN"
+	GOBIN=$BIN GOFLAGS=-buildvcs=false go install "github.com/moby/moby/v2/cmd/dockerd@$DOCKERD_VERSION"
+fi
+if ! command -v docker >/dev/null; then
+	log "the docker CLI (Docker 25 or newer) is not on PATH: install it (e.g. Docker's docker-ce-cli package)"
+	exit 1
+fi
+log "docker CLI: $(docker --version)"

@@ -39,13 +39,19 @@ type env struct {
 	cd      *Containerd
 	ctr     *Ctr
 	podman  *Podman
+	docker  *DockerEngine
 	engines []Engine
 }
 
 const (
-	useCtr    = 1 << iota // a private containerd, driven with ctr
-	usePodman             // podman
+	useCtr               = 1 << iota // a private containerd, driven with ctr
+	usePodman                        // podman
+	useDocker                        // a private Docker engine; the request as MGPU_* variables
+	useDockerAnnotations             // the same engine; the request as --annotation
 )
+
+// useAll is every engine, as the engine-independent tests run.
+const useAll = useCtr | usePodman | useDocker | useDockerAnnotations
 
 // requirements checks what the engines need and returns containerd's
 // directory and podman's path (for those asked for).
@@ -54,9 +60,14 @@ func requirements(t *testing.T, engines int) (cdBin, podman string) {
 	if os.Geteuid() != 0 {
 		need(t, "needs root: containers with device nodes, CDI specs in %s (run test/e2e/deps.sh, then go test as root)", CDISpecDir)
 	}
-	if engines&useCtr != 0 {
+	if engines&(useCtr|useDocker|useDockerAnnotations) != 0 {
 		var err error
 		if cdBin, err = ContainerdBinaries(); err != nil {
+			need(t, "%v", err)
+		}
+	}
+	if engines&(useDocker|useDockerAnnotations) != 0 {
+		if _, _, err := DockerBinaries(); err != nil {
 			need(t, "%v", err)
 		}
 	}
@@ -146,6 +157,37 @@ func setup(t *testing.T, opts NodeOptions, engines int) *env {
 		})
 		e.engines = append(e.engines, e.podman)
 	}
+	if engines&(useDocker|useDockerAnnotations) != 0 {
+		dockerd, cli, err := DockerBinaries()
+		if err != nil {
+			t.Fatal(err)
+		}
+		de, err := StartDocker(n, dockerd, cli, cdBin, n.Dir+"/docker")
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.docker = de
+		t.Cleanup(func() {
+			if t.Failed() {
+				t.Logf("dockerd log (end):\n%s", de.LogTail())
+			}
+			if err := de.Close(); err != nil {
+				t.Errorf("close docker: %v", err)
+			}
+		})
+		for _, ann := range []bool{false, true} {
+			if (ann && engines&useDockerAnnotations == 0) || (!ann && engines&useDocker == 0) {
+				continue
+			}
+			d := &Docker{N: n, E: de, Annotations: ann}
+			t.Cleanup(func() {
+				if err := d.Cleanup(); err != nil {
+					t.Errorf("%s cleanup: %v", d.Name(), err)
+				}
+			})
+			e.engines = append(e.engines, d)
+		}
+	}
 	return e
 }
 
@@ -194,12 +236,13 @@ func (e *env) waitInstances(t *testing.T, want int, within time.Duration) time.D
 }
 
 // refusalKey is how an engine names a request key in the hook's message:
-// ctr passes annotations, podman environment variables.
+// ctr and docker-annotations pass annotations, podman and docker
+// environment variables.
 func refusalKey(e Engine, key string) string {
-	if e.Name() == "ctr" {
+	if n := e.Name(); n == "ctr" || n == "docker-annotations" {
 		return "vke.volcengine.com/mgpu-" + key
 	}
-	return map[string]string{"core": "MGPU_CORE", "memory": "MGPU_MEMORY", "compute-policy": "MGPU_COMPUTE_POLICY"}[key]
+	return envKey[key]
 }
 
 // Acceptance 1: what the device cannot or must not give is refused at
@@ -207,7 +250,7 @@ func refusalKey(e Engine, key string) string {
 // hook's one mgpu: line.
 func TestAdmissionRefused(t *testing.T) {
 	e := setup(t, NodeOptions{MemoryMiB: 16384, MaxInstances: 2,
-		Policies: map[int]string{0: "guaranteed-burst-share"}}, useCtr|usePodman)
+		Policies: map[int]string{0: "guaranteed-burst-share"}}, useAll)
 	ctx := context.Background()
 	for _, eng := range e.engines {
 		t.Run(eng.Name(), func(t *testing.T) {
@@ -343,9 +386,10 @@ func (e *env) startAttached(t *testing.T, eng Engine, c Container, procs int) ap
 
 // Acceptance 2: an instance lives exactly as long as its container: it is
 // gone within 2 s after the container exits, after its processes are
-// killed with SIGKILL, and (ctr) after the engine's shim is killed.
+// killed with SIGKILL, (docker) after `docker kill`, and (ctr) after the
+// engine's shim is killed.
 func TestInstanceReleased(t *testing.T) {
-	e := setup(t, NodeOptions{}, useCtr|usePodman)
+	e := setup(t, NodeOptions{}, useCtr|usePodman|useDocker)
 	ctx := context.Background()
 	const within = 2 * time.Second
 	for _, eng := range e.engines {
@@ -373,8 +417,22 @@ func TestInstanceReleased(t *testing.T) {
 				t.Fatal(err)
 			}
 
+			if d, ok := eng.(*Docker); ok {
+				c = e.container("dockerkilled", "30", "4096")
+				c.Args = sh(c.ID, "/bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 100 --hold-ms -1")
+				e.startAttached(t, eng, c, 1)
+				start = time.Now()
+				if err := d.Kill(ctx, c.ID); err != nil {
+					t.Fatal(err)
+				}
+				e.waitInstances(t, 0, within)
+				t.Logf("docker kill: released after %v", time.Since(start))
+				if err := eng.Remove(ctx, c.ID); err != nil {
+					t.Fatal(err)
+				}
+			}
 			if eng.Name() != "ctr" {
-				return // podman has no shim that owns the container (conmon only watches it)
+				return // podman has no shim that owns the container (conmon only watches it); docker's is containerd's, as ctr's
 			}
 			c = e.container("shimkilled", "30", "4096")
 			c.Args = sh(c.ID, "/bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 100 --hold-ms -1")
@@ -436,7 +494,7 @@ func (e *env) stats(t *testing.T, name string) api.InstanceStats {
 // through the client socket gets its own container's instance, and nothing
 // else of the run directory is reachable.
 func TestContainerIsolation(t *testing.T) {
-	e := setup(t, NodeOptions{}, useCtr|usePodman)
+	e := setup(t, NodeOptions{}, useCtr|usePodman|useDocker)
 	ctx := context.Background()
 	run := e.n.RunDir
 	script := strings.Join([]string{
@@ -532,7 +590,7 @@ func TestContainerIsolation(t *testing.T) {
 // Acceptance 4: a process started later in a running container (exec)
 // joins the container's instance and shares its memory quota.
 func TestExecJoinsInstance(t *testing.T) {
-	e := setup(t, NodeOptions{}, useCtr|usePodman)
+	e := setup(t, NodeOptions{}, useCtr|usePodman|useDocker)
 	ctx := context.Background()
 	for _, eng := range e.engines {
 		t.Run(eng.Name(), func(t *testing.T) {
@@ -724,12 +782,12 @@ func TestShares(t *testing.T) {
 		check        func(t *testing.T, shares []float64, device float64)
 		after        func(t *testing.T, e *env, rs []running) // then, with the containers still running
 	}{
-		{"fixed-share 30/70", "fixed-share", useCtr | usePodman, []load{saturating("30"), saturating("70")},
+		{"fixed-share 30/70", "fixed-share", useCtr | usePodman | useDocker, []load{saturating("30"), saturating("70")},
 			func(t *testing.T, s []float64, _ float64) {
 				within(t, "core 30", s[0], 30)
 				within(t, "core 70", s[1], 70)
 			}, nil},
-		{"guaranteed-burst-share 30/70, the 70 idle then back", "guaranteed-burst-share", useCtr, []load{saturating("30"),
+		{"guaranteed-burst-share 30/70, the 70 idle then back", "guaranteed-burst-share", useCtr | useDocker, []load{saturating("30"),
 			{"70", "compute --api launch --kernel-us 100 --depth 64 --seconds %s --idle-ms " + idleMs, "idle ms="}},
 			func(t *testing.T, s []float64, _ float64) {
 				if s[0] < 95 {
@@ -753,7 +811,7 @@ func TestShares(t *testing.T) {
 					t.Errorf("the 30 got %.2f%% once the 70 resumed, want >= %.0f", shares[0], 30-epsilon)
 				}
 			}},
-		{"native-burst-share 1:3", "native-burst-share", useCtr, []load{saturating("1"), saturating("3")},
+		{"native-burst-share 1:3", "native-burst-share", useCtr | useDocker, []load{saturating("1"), saturating("3")},
 			func(t *testing.T, s []float64, _ float64) {
 				within(t, "weight 1", s[0], 25)
 				within(t, "weight 3", s[1], 75)
@@ -786,63 +844,73 @@ func TestShares(t *testing.T) {
 // two containers run: their instances survive, their processes keep their
 // shares and quotas, and new CUDA processes in them attach.
 func TestEnforcerRestart(t *testing.T) {
-	e := setup(t, NodeOptions{}, useCtr)
-	eng, ctx := e.ctr, context.Background()
-	win := tol.Window()
-	secs := strconv.FormatFloat((2*win + 30*time.Second).Seconds(), 'f', 1, 64)
-	var rs []running
-	for _, core := range []string{"30", "70"} {
-		c := e.container("restart"+core, core, "1024")
-		c.Args = sh(c.ID, "/bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 800 --hold-ms -1 & "+
-			"exec /bin/mgpu-workload compute --api launch --kernel-us 100 --depth 64 --seconds "+secs)
-		e.startAttached(t, eng, c, 2)
-		e.waitOutput(t, c.ID, "start", 20*time.Second)
-		e.waitOutput(t, c.ID, "holding", 20*time.Second)
-		rs = append(rs, running{c.ID, pidNamespaceOf(t, eng, c.ID)})
-	}
-	shares, dev := e.measure(t, rs, time.Second, win)
-	t.Logf("before the restart: shares over %v: %.2f (device %.2f%%)", win, shares, dev)
-	within(t, "core 30 before the restart", shares[0], 30)
-	within(t, "core 70 before the restart", shares[1], 70)
-	before := e.instances(t)
-	start := time.Now()
-	if err := e.n.KillEnforcer(0, syscall.SIGKILL); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.n.StartEnforcer(0); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("enforcer killed and serving again after %v", time.Since(start))
-	after := e.instances(t)
-	if len(after) != 2 {
-		t.Fatalf("after the restart: %+v, before: %+v", after, before)
-	}
-	for i := range before {
-		if before[i].Name != after[i].Name || before[i].ContainerID != after[i].ContainerID || before[i].Core != after[i].Core ||
-			before[i].MemoryMiB != after[i].MemoryMiB {
-			t.Errorf("instance changed across the restart: %+v -> %+v", before[i], after[i])
-		}
-	}
-	shares, dev = e.measure(t, rs, time.Second, win)
-	t.Logf("after the restart: shares over %v: %.2f (device %.2f%%)", win, shares, dev)
-	within(t, "core 30 after the restart", shares[0], 30)
-	within(t, "core 70 after the restart", shares[1], 70)
+	e := setup(t, NodeOptions{}, useCtr|useDocker)
+	ctx := context.Background()
+	for _, eng := range e.engines {
+		t.Run(eng.Name(), func(t *testing.T) {
+			win := tol.Window()
+			secs := strconv.FormatFloat((2*win + 30*time.Second).Seconds(), 'f', 1, 64)
+			var rs []running
+			for _, core := range []string{"30", "70"} {
+				c := e.container("restart"+core, core, "1024")
+				c.Args = sh(c.ID, "/bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 800 --hold-ms -1 & "+
+					"exec /bin/mgpu-workload compute --api launch --kernel-us 100 --depth 64 --seconds "+secs)
+				e.startAttached(t, eng, c, 2)
+				e.waitOutput(t, c.ID, "start", 20*time.Second)
+				e.waitOutput(t, c.ID, "holding", 20*time.Second)
+				rs = append(rs, running{c.ID, pidNamespaceOf(t, eng, c.ID)})
+			}
+			shares, dev := e.measure(t, rs, time.Second, win)
+			t.Logf("before the restart: shares over %v: %.2f (device %.2f%%)", win, shares, dev)
+			within(t, "core 30 before the restart", shares[0], 30)
+			within(t, "core 70 before the restart", shares[1], 70)
+			before := e.instances(t)
+			start := time.Now()
+			if err := e.n.KillEnforcer(0, syscall.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.n.StartEnforcer(0); err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("enforcer killed and serving again after %v", time.Since(start))
+			after := e.instances(t)
+			if len(after) != 2 {
+				t.Fatalf("after the restart: %+v, before: %+v", after, before)
+			}
+			for i := range before {
+				if before[i].Name != after[i].Name || before[i].ContainerID != after[i].ContainerID || before[i].Core != after[i].Core ||
+					before[i].MemoryMiB != after[i].MemoryMiB {
+					t.Errorf("instance changed across the restart: %+v -> %+v", before[i], after[i])
+				}
+			}
+			shares, dev = e.measure(t, rs, time.Second, win)
+			t.Logf("after the restart: shares over %v: %.2f (device %.2f%%)", win, shares, dev)
+			within(t, "core 30 after the restart", shares[0], 30)
+			within(t, "core 70 after the restart", shares[1], 70)
 
-	for _, r := range rs {
-		// 800 MiB of 1024 are held: the quota still holds for a new process ...
-		out, _ := eng.Exec(ctx, r.id, "/bin/mgpu-workload", "alloc", "--api", "cuMemAlloc_v2", "--mib", "300")
-		if !strings.Contains(out, "CUDA_ERROR_OUT_OF_MEMORY") || !strings.Contains(out, "allocated=0") {
-			t.Errorf("%s: 300 MiB on top of 800 of 1024 after the restart:\n%s", r.id, out)
-		}
-		// ... which attaches to the new enforcer and gets what is left.
-		out, err := eng.Exec(ctx, r.id, "/bin/mgpu-workload", "alloc", "--api", "cuMemAlloc_v2", "--mib", "200")
-		if err != nil || !strings.Contains(out, "allocated=1") {
-			t.Errorf("%s: a new CUDA process after the restart: %v\n%s", r.id, err, out)
-		}
-		out, err = eng.Exec(ctx, r.id, "/bin/mgpu-workload", "info")
-		if err != nil || fakecuda.Fields(out)["device.0.total_mem"] != strconv.Itoa(1024<<20) {
-			t.Errorf("%s: mgpu-workload info after the restart: %v\n%s", r.id, err, out)
-		}
+			for _, r := range rs {
+				// 800 MiB of 1024 are held: the quota still holds for a new process ...
+				out, _ := eng.Exec(ctx, r.id, "/bin/mgpu-workload", "alloc", "--api", "cuMemAlloc_v2", "--mib", "300")
+				if !strings.Contains(out, "CUDA_ERROR_OUT_OF_MEMORY") || !strings.Contains(out, "allocated=0") {
+					t.Errorf("%s: 300 MiB on top of 800 of 1024 after the restart:\n%s", r.id, out)
+				}
+				// ... which attaches to the new enforcer and gets what is left.
+				out, err := eng.Exec(ctx, r.id, "/bin/mgpu-workload", "alloc", "--api", "cuMemAlloc_v2", "--mib", "200")
+				if err != nil || !strings.Contains(out, "allocated=1") {
+					t.Errorf("%s: a new CUDA process after the restart: %v\n%s", r.id, err, out)
+				}
+				out, err = eng.Exec(ctx, r.id, "/bin/mgpu-workload", "info")
+				if err != nil || fakecuda.Fields(out)["device.0.total_mem"] != strconv.Itoa(1024<<20) {
+					t.Errorf("%s: mgpu-workload info after the restart: %v\n%s", r.id, err, out)
+				}
+			}
+			for _, r := range rs {
+				if err := eng.Remove(ctx, r.id); err != nil {
+					t.Fatal(err)
+				}
+			}
+			e.waitInstances(t, 0, 2*time.Second)
+		})
 	}
 }
 
@@ -927,14 +995,14 @@ func TestConcurrentAdmission(t *testing.T) {
 }
 
 // Acceptance 8 (the measurement is HookBench, for `make bench`): a short
-// run, for both engines, shows that it works and what the hooks cost.
+// run, for every engine, shows that it works and what the hooks cost.
 func TestHookBench(t *testing.T) {
-	requirements(t, useCtr|usePodman)
+	requirements(t, useCtr|usePodman|useDocker)
 	n := 5
 	if s := os.Getenv("MGPU_HOOKBENCH_N"); s != "" {
 		n, _ = strconv.Atoi(s)
 	}
-	for _, engine := range []string{"ctr", "podman"} {
+	for _, engine := range []string{"ctr", "podman", "docker"} {
 		res, err := HookBench(context.Background(), HookBenchOptions{N: n, Engine: engine, Installed: InstalledFromEnv()})
 		if err != nil {
 			t.Fatal(err)

@@ -15,7 +15,8 @@ import (
 type HookBenchOptions struct {
 	// N is the number of containers per variant (default 20).
 	N int
-	// Engine is "ctr" (default: a private containerd) or "podman".
+	// Engine is "ctr" (default: a private containerd), "podman" or
+	// "docker" (a private Docker engine).
 	Engine string
 	// Log receives the enforcer's output (default: discarded).
 	Log io.Writer
@@ -25,9 +26,10 @@ type HookBenchOptions struct {
 
 // HookBenchResult holds the measured times, one per container, in the
 // order they ran. Create is the engine's command that creates and starts a
-// detached container (ctr run -d, podman run -d: the createRuntime hook
-// runs inside it); Remove is the one that kills and removes it (ctr task rm
-// -f + ctr containers rm, podman rm -f: the poststop hook runs inside it).
+// detached container (ctr run -d, podman run -d, docker run -d: the
+// createRuntime hook runs inside it); Remove is the one that kills and
+// removes it (ctr task rm -f + ctr containers rm, podman rm -f, docker rm
+// -f: the poststop hook runs inside it).
 type HookBenchResult struct {
 	Engine                    string
 	N                         int
@@ -74,7 +76,8 @@ func (r HookBenchResult) String() string {
 // asks for device 0 with core 1 and 1 MiB and runs /bin/sleep; with the
 // hooks it must get an instance, without them it must not (checked outside
 // the timed commands). Needs root, the build (make build), runc, busybox and,
-// for "ctr", containerd 2.x (test/e2e/deps.sh); it cleans up after itself.
+// for "ctr" and "docker", containerd 2.x, for "docker" dockerd and the
+// docker CLI (test/e2e/deps.sh); it cleans up after itself.
 func HookBench(ctx context.Context, opts HookBenchOptions) (res HookBenchResult, err error) {
 	if opts.N <= 0 {
 		opts.N = 20
@@ -124,8 +127,25 @@ func HookBench(ctx context.Context, opts HookBenchOptions) (res HookBenchResult,
 		}
 		defer func() { err = errors.Join(err, p.Cleanup()) }()
 		eng = p
+	case "docker":
+		bin, err := ContainerdBinaries()
+		if err != nil {
+			return res, err
+		}
+		dockerd, cli, err := DockerBinaries()
+		if err != nil {
+			return res, err
+		}
+		de, err := StartDocker(n, dockerd, cli, bin, filepath.Join(n.Dir, "docker"))
+		if err != nil {
+			return res, err
+		}
+		defer func() { err = errors.Join(err, de.Close()) }()
+		d := &Docker{N: n, E: de}
+		defer func() { err = errors.Join(err, d.Cleanup()) }()
+		eng = d
 	default:
-		return res, fmt.Errorf("e2e: HookBench: unknown engine %q (ctr or podman)", opts.Engine)
+		return res, fmt.Errorf("e2e: HookBench: unknown engine %q (ctr, podman or docker)", opts.Engine)
 	}
 	for i := 0; i < 2*opts.N; i++ {
 		hooks := i%2 == 0
