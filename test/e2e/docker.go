@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -220,10 +219,7 @@ func (e *Docker) runArgs(c Container, mode ...string) []string {
 	for _, d := range c.Devices {
 		args = append(args, "--device", c.Kind+"="+d)
 	}
-	for k, v := range map[string]string{"compute-policy": c.Policy, "core": c.Core, "memory": c.Memory} {
-		if v == "" {
-			continue
-		}
+	for k, v := range c.request() {
 		if e.Annotations {
 			args = append(args, "--annotation", "vke.volcengine.com/mgpu-"+k+"="+v)
 		} else {
@@ -236,9 +232,6 @@ func (e *Docker) runArgs(c Container, mode ...string) []string {
 	args = append(args, "-v", e.N.FakeState+":"+e.N.FakeState+":rw", "-v", e.N.IODir+":/e2e:rw", e.E.Image)
 	return append(args, c.Args...)
 }
-
-// envKey is the environment variable of a request key.
-var envKey = map[string]string{"core": "MGPU_CORE", "memory": "MGPU_MEMORY", "compute-policy": "MGPU_COMPUTE_POLICY"}
 
 // Run is `docker run --rm`.
 func (e *Docker) Run(ctx context.Context, c Container) (string, error) {
@@ -265,11 +258,7 @@ func (e *Docker) InitPID(ctx context.Context, id string) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	pid, err := strconv.Atoi(strings.TrimSpace(out))
-	if err == nil && pid <= 0 {
-		err = fmt.Errorf("container %s does not run", id)
-	}
-	return pid, err
+	return statePid(out, id)
 }
 
 // Remove is `docker rm -f`.

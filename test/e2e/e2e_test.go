@@ -39,7 +39,6 @@ type env struct {
 	cd      *Containerd
 	ctr     *Ctr
 	podman  *Podman
-	docker  *DockerEngine
 	engines []Engine
 }
 
@@ -166,7 +165,6 @@ func setup(t *testing.T, opts NodeOptions, engines int) *env {
 		if err != nil {
 			t.Fatal(err)
 		}
-		e.docker = de
 		t.Cleanup(func() {
 			if t.Failed() {
 				t.Logf("dockerd log (end):\n%s", de.LogTail())
@@ -175,11 +173,14 @@ func setup(t *testing.T, opts NodeOptions, engines int) *env {
 				t.Errorf("close docker: %v", err)
 			}
 		})
-		for _, ann := range []bool{false, true} {
-			if (ann && engines&useDockerAnnotations == 0) || (!ann && engines&useDocker == 0) {
+		for _, v := range []struct {
+			use int
+			ann bool
+		}{{useDocker, false}, {useDockerAnnotations, true}} {
+			if engines&v.use == 0 {
 				continue
 			}
-			d := &Docker{N: n, E: de, Annotations: ann}
+			d := &Docker{N: n, E: de, Annotations: v.ann}
 			t.Cleanup(func() {
 				if err := d.Cleanup(); err != nil {
 					t.Errorf("%s cleanup: %v", d.Name(), err)

@@ -44,6 +44,21 @@ type Engine interface {
 	Cleanup() error
 }
 
+// request is the container's request keys (compute-policy, core, memory)
+// that have a value.
+func (c Container) request() map[string]string {
+	r := map[string]string{}
+	for k, v := range map[string]string{"compute-policy": c.Policy, "core": c.Core, "memory": c.Memory} {
+		if v != "" {
+			r[k] = v
+		}
+	}
+	return r
+}
+
+// envKey is the environment variable of a request key.
+var envKey = map[string]string{"core": "MGPU_CORE", "memory": "MGPU_MEMORY", "compute-policy": "MGPU_COMPUTE_POLICY"}
+
 // Mounts and environment every container gets.
 func (n *Node) containerEnv(c Container) []string {
 	return append(n.FakeEnv(), c.Env...)
@@ -105,10 +120,8 @@ func (e *Ctr) runArgs(c Container, mode string) []string {
 	for _, d := range c.Devices {
 		args = append(args, "--device", c.Kind+"="+d)
 	}
-	for k, v := range map[string]string{"compute-policy": c.Policy, "core": c.Core, "memory": c.Memory} {
-		if v != "" {
-			args = append(args, "--annotation", "vke.volcengine.com/mgpu-"+k+"="+v)
-		}
+	for k, v := range c.request() {
+		args = append(args, "--annotation", "vke.volcengine.com/mgpu-"+k+"="+v)
 	}
 	for _, kv := range e.N.containerEnv(c) {
 		args = append(args, "--env", kv)
@@ -203,10 +216,8 @@ func (e *Podman) runArgs(c Container, mode string) []string {
 	for _, d := range c.Devices {
 		args = append(args, "--device", c.Kind+"="+d)
 	}
-	for k, v := range map[string]string{"MGPU_COMPUTE_POLICY": c.Policy, "MGPU_CORE": c.Core, "MGPU_MEMORY": c.Memory} {
-		if v != "" {
-			args = append(args, "-e", k+"="+v)
-		}
+	for k, v := range c.request() {
+		args = append(args, "-e", envKey[k]+"="+v)
 	}
 	for _, kv := range e.N.containerEnv(c) {
 		args = append(args, "-e", kv)
@@ -248,6 +259,12 @@ func (e *Podman) InitPID(ctx context.Context, id string) (int, error) {
 	if err != nil {
 		return 0, err
 	}
+	return statePid(out, id)
+}
+
+// statePid reads the output of `podman|docker inspect --format
+// {{.State.Pid}}`: 0 is a container that does not run.
+func statePid(out, id string) (int, error) {
 	pid, err := strconv.Atoi(strings.TrimSpace(out))
 	if err == nil && pid <= 0 {
 		err = fmt.Errorf("container %s does not run", id)

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/internal/policy"
 	"github.com/mgpu-dev/mgpu/test/harness"
 	tol "github.com/mgpu-dev/mgpu/test/shares"
@@ -117,9 +118,8 @@ func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, w
 	return shares, dev
 }
 
-// measured returns the GPU time the shims measured per attached process
-// (host pid), from device 0's enforcer.
-func measured(t *testing.T, n *harness.Node) map[int]uint64 {
+// stats0 is device 0's GET /v1/stats.
+func stats0(t *testing.T, n *harness.Node) []api.InstanceStats {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -127,8 +127,15 @@ func measured(t *testing.T, n *harness.Node) map[int]uint64 {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return st
+}
+
+// measured returns the GPU time the shims measured per attached process
+// (host pid), from device 0's enforcer.
+func measured(t *testing.T, n *harness.Node) map[int]uint64 {
+	t.Helper()
 	out := map[int]uint64{}
-	for _, in := range st {
+	for _, in := range stats0(t, n) {
 		for _, p := range in.Processes {
 			out[p.PID] = p.GPUNs
 		}

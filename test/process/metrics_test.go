@@ -184,14 +184,8 @@ func TestPrometheusScrapesShares(t *testing.T) {
 // its enforcer.
 func instanceGPU(t *testing.T, n *harness.Node) map[string]uint64 {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	st, err := n.Client(0).Stats(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
 	out := map[string]uint64{}
-	for _, s := range st {
+	for _, s := range stats0(t, n) {
 		out[s.Name] = s.GPUNs
 	}
 	return out
