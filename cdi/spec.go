@@ -13,6 +13,7 @@ import (
 
 	specs "tags.cncf.io/container-device-interface/specs-go"
 
+	"github.com/mgpu-dev/mgpu/cdi/cdienv"
 	"github.com/mgpu-dev/mgpu/internal/config"
 	"github.com/mgpu-dev/mgpu/internal/device"
 )
@@ -21,14 +22,10 @@ import (
 const AllDevices = "all"
 
 // Environment variables the spec sets in containers (and the hook reads from
-// the container's config.json).
+// the container's config.json): package cdienv.
 const (
-	// EnvRunDir is the run directory; a device's client socket is
-	// $MGPU_RUN_DIR/gpuX/client/client.sock.
-	EnvRunDir = "MGPU_RUN_DIR"
-	// EnvDevicePrefix + X = <uuid> is set for each requested GPU X, one key
-	// per GPU so that requesting several devices never overwrites a value.
-	EnvDevicePrefix = "MGPU_DEVICE_"
+	EnvRunDir       = cdienv.RunDir
+	EnvDevicePrefix = cdienv.DevicePrefix
 )
 
 // Hook settings.
@@ -65,16 +62,12 @@ func PreloadContent(cfg *config.Config) []byte { return []byte(ShimPath(cfg) + "
 // HookPath is the OCI hook binary.
 func HookPath(cfg *config.Config) string { return filepath.Join(cfg.Prefix, "bin", HookBinary) }
 
-// ClientDir is the directory of device index's client socket, mounted
-// read-only at the same path. It is the only part of the run directory a
-// container sees: never the socket itself (a restarted enforcer makes a new
-// one), never control.sock or regions/.
-func ClientDir(cfg *config.Config, index int) string {
-	return filepath.Join(cfg.DeviceRunDir(index), "client")
-}
+// ClientDir is the directory of device index's client socket
+// (cdienv.ClientDir).
+func ClientDir(cfg *config.Config, index int) string { return cdienv.ClientDir(cfg, index) }
 
 // DeviceEnvKey is the per-device environment key of GPU index.
-func DeviceEnvKey(index int) string { return EnvDevicePrefix + strconv.Itoa(index) }
+func DeviceEnvKey(index int) string { return cdienv.DeviceKey(index) }
 
 // ErrNoGPUs is returned (wrapped) by Generate for a node without GPUs.
 var ErrNoGPUs = errors.New("no GPUs found")

@@ -140,6 +140,12 @@ type Enforcer struct {
 	saveMu  sync.Mutex
 	savedAt uint64
 
+	// blank is a region made ahead of time (regions/.blank) that the next
+	// create renames into place; blanking is set while one is being made.
+	blank    *region.Region
+	blanking bool
+	bg       sync.WaitGroup
+
 	w       *watcher
 	control *net.UnixListener
 	client  *net.UnixListener
@@ -350,6 +356,7 @@ func (e *Enforcer) Run(ctx context.Context) error {
 	go func() { defer wg.Done(); e.runBackstop(ctx) }()
 	e.mu.Lock()
 	pol, n := e.settings.ComputePolicy, len(e.list)
+	e.refillBlankLocked()
 	e.mu.Unlock()
 	e.o.log.Info("serving", "policy", pol.String(), "instances", n, "epoch", e.epoch,
 		"control", e.ControlSocket(), "client", e.ClientSocket())
@@ -392,11 +399,13 @@ func (e *Enforcer) Close() {
 				e.o.log.Error("write state", "err", err)
 			}
 		}
+		e.bg.Wait()
 		e.mu.Lock()
 		for _, in := range e.list {
 			in.closeFDs()
 			_ = in.reg.Close()
 		}
+		e.dropBlankLocked()
 		e.mu.Unlock()
 		if e.w != nil {
 			e.w.close()

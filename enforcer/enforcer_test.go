@@ -129,12 +129,19 @@ func TestAdmissionRefusals(t *testing.T) {
 		t.Fatal(err)
 	}
 	pid := os.Getpid()
+	dev, err := c.Device(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	withUUID := func(r api.CreateRequest, uuid string) api.CreateRequest { r.UUID = uuid; return r }
 	for _, tc := range []struct {
 		name   string
 		req    api.CreateRequest
 		status int
 		want   string
 	}{
+		{"other gpu", withUUID(tree(pid, 10, 1), "GPU-other"), 409, "device 0 is " + dev.UUID + ", not GPU-other; regenerate the CDI spec (mgpu-cli cdi generate)"},
+		{"bad uuid", withUUID(tree(pid, 10, 1), "GPU 1"), 400, `bad request: uuid "GPU 1" has a character that is not printable`},
 		{"policy", api.CreateRequest{Kind: api.KindContainer, ContainerID: "c1", PID: pid, Policy: "fixed-share", Core: 10, MemoryMiB: 1},
 			409, "device 0 runs guaranteed-burst-share, container asks fixed-share"},
 		{"policy process tree", api.CreateRequest{Kind: api.KindProcessTree, PID: pid, Policy: "native-burst-share", Core: 10, MemoryMiB: 1},
@@ -162,13 +169,13 @@ func TestAdmissionRefusals(t *testing.T) {
 			}
 		})
 	}
-	if _, err := c.Create(ctx, tree(pid, 10, 1)); err != nil {
+	if _, err := c.Create(ctx, withUUID(tree(pid, 10, 1), dev.UUID)); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := c.Create(ctx, tree(pid, 10, 1)); err != nil {
 		t.Fatal(err)
 	}
-	_, err := c.Create(ctx, tree(pid, 10, 1))
+	_, err = c.Create(ctx, tree(pid, 10, 1))
 	if want := "device 0 already has 3 instances, the most it admits (max_instances = 3)"; err == nil || err.Error() != want {
 		t.Fatalf("max instances: %v, want %q", err, want)
 	}

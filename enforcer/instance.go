@@ -238,6 +238,9 @@ func (e *Enforcer) Create(req api.CreateRequest) (api.CreateResponse, error) {
 	e.o.log.Info("created", "instance", in.name, "kind", in.kind, "container", in.containerID, "pid", in.pid,
 		"core", in.core, "memory_mib", in.memMiB)
 	e.kickLoop()
+	e.mu.Lock()
+	e.refillBlankLocked()
+	e.mu.Unlock()
 	return out, nil
 }
 
@@ -368,7 +371,7 @@ func (e *Enforcer) admitLocked(req api.CreateRequest, id identity, pfd int) (*in
 	if err := region.Remove(in.path); err != nil {
 		return nil, false, fmt.Errorf("remove stale region: %w", err)
 	}
-	reg, err := region.Create(in.path, e.params(in))
+	reg, err := e.newRegionLocked(in.path, e.params(in))
 	if err != nil {
 		return nil, false, err
 	}
@@ -383,9 +386,13 @@ func (e *Enforcer) admitLocked(req api.CreateRequest, id identity, pfd int) (*in
 	return in, false, nil
 }
 
-// checkQuotasLocked checks what needs no identity: core, memory, policy.
+// checkQuotasLocked checks what needs no identity: the device's UUID, core,
+// memory, policy.
 func (e *Enforcer) checkQuotasLocked(req api.CreateRequest) error {
 	who := noun(req.Kind)
+	if req.UUID != "" && req.UUID != e.dev.UUID {
+		return refusef("device %d is %s, not %s; regenerate the CDI spec (mgpu-cli cdi generate)", e.index, e.dev.UUID, req.UUID)
+	}
 	if req.Core < 1 || req.Core > 100 {
 		return refusef("core %d is outside 1..100 (percent of device %d's time)", req.Core, e.index)
 	}

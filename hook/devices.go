@@ -9,7 +9,7 @@ import (
 
 	oci "github.com/opencontainers/runtime-spec/specs-go"
 
-	"github.com/mgpu-dev/mgpu/cdi"
+	"github.com/mgpu-dev/mgpu/cdi/cdienv"
 	"github.com/mgpu-dev/mgpu/internal/config"
 )
 
@@ -48,13 +48,13 @@ func RequestedDevices(cfg *config.Config, spec *oci.Spec) ([]Device, error) {
 	seen := map[int]string{}
 	for _, kv := range env {
 		k, v, _ := strings.Cut(kv, "=")
-		suffix, ok := strings.CutPrefix(k, cdi.EnvDevicePrefix)
+		suffix, ok := strings.CutPrefix(k, cdienv.DevicePrefix)
 		if !ok {
 			continue
 		}
 		n, valid := parseDecimal(suffix, maxDeviceIndex)
 		if !valid || (len(suffix) > 1 && suffix[0] == '0') {
-			return nil, deviceErrorf("%s is not a device key of the mgpu CDI spec (%s<index>); remove it from the container's environment", k, cdi.EnvDevicePrefix)
+			return nil, deviceErrorf("%s is not a device key of the mgpu CDI spec (%s<index>); remove it from the container's environment", k, cdienv.DevicePrefix)
 		}
 		idx := int(n)
 		if v == "" {
@@ -74,23 +74,23 @@ func RequestedDevices(cfg *config.Config, spec *oci.Spec) ([]Device, error) {
 	}
 	sort.Slice(devs, func(i, j int) bool { return devs[i].Index < devs[j].Index })
 
-	runDir, found, err := LookupEnv(env, cdi.EnvRunDir)
+	runDir, found, err := LookupEnv(env, cdienv.RunDir)
 	if err != nil {
 		return nil, err
 	}
 	if found && filepath.Clean(runDir) != filepath.Clean(cfg.RunDir) {
 		return nil, deviceErrorf("the container's %s is %q but %s has run_dir = %q; regenerate the CDI spec (mgpu-cli cdi generate) from the node's configuration",
-			cdi.EnvRunDir, runDir, configName(cfg), cfg.RunDir)
+			cdienv.RunDir, runDir, configName(cfg), cfg.RunDir)
 	}
 	mounted := map[string]bool{}
 	for _, m := range spec.Mounts {
 		mounted[filepath.Clean(m.Source)+"\x00"+filepath.Clean(m.Destination)] = true
 	}
 	for _, d := range devs {
-		dir := cdi.ClientDir(cfg, d.Index)
+		dir := cdienv.ClientDir(cfg, d.Index)
 		if !mounted[dir+"\x00"+dir] {
 			return nil, deviceErrorf("%s is set but %s is not mounted into the container; request GPUs through CDI (--device %s=%d), not by setting %s",
-				cdi.DeviceEnvKey(d.Index), dir, cfg.CDIKind, d.Index, cdi.DeviceEnvKey(d.Index))
+				cdienv.DeviceKey(d.Index), dir, cfg.CDIKind, d.Index, cdienv.DeviceKey(d.Index))
 		}
 	}
 	return devs, nil

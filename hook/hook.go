@@ -156,21 +156,22 @@ func (h *Hook) Create(ctx context.Context, st *oci.State) ([]Admitted, error) {
 // whose init still runs, and replaces one whose init is gone.
 func (h *Hook) admit(ctx context.Context, d Device, id Identity, creq api.CreateRequest) (api.Instance, bool, error) {
 	e := h.connect(d.Index)
-	info, err := e.Device(ctx)
-	if err != nil {
-		return api.Instance{}, false, deviceErr(d.Index, err)
-	}
-	if info.UUID != "" && info.UUID != d.UUID {
-		return api.Instance{}, false, fmt.Errorf("the CDI spec says GPU %d is %s but device %d is %s; regenerate the CDI spec (mgpu-cli cdi generate)", d.Index, d.UUID, d.Index, info.UUID)
-	}
 	if creq.MemoryMiB == 0 {
 		// A whole GPU asked for without memory: all of it.
+		info, err := e.Device(ctx)
+		if err != nil {
+			return api.Instance{}, false, deviceErr(d.Index, err)
+		}
 		creq.MemoryMiB = info.MemoryMiB
 	}
+	// The enforcer refuses the create if its GPU is not the CDI spec's.
+	creq.UUID = d.UUID
 	resp, err := e.Create(ctx, creq)
 	if err != nil {
+		// Uncertain unless the enforcer answered or was never reached.
 		var ae *api.Error
-		return api.Instance{}, !errors.As(err, &ae), deviceErr(d.Index, err)
+		uncertain := !errors.As(err, &ae) && !errors.Is(err, api.ErrNotRunning)
+		return api.Instance{}, uncertain, deviceErr(d.Index, err)
 	}
 	inst := resp.Instance
 	if inst.PID != id.Pid || inst.StartTime != id.StartTime {
@@ -195,7 +196,10 @@ func (h *Hook) undo(containerID string, id Identity, done []Admitted, uncertain 
 	}
 	if uncertain {
 		ours := func(in api.Instance) bool { return in.PID == id.Pid && in.StartTime == id.StartTime }
-		if _, err := h.release(ctx, uncertainDev, containerID, ours); err != nil {
+		switch _, err := h.release(ctx, uncertainDev, containerID, ours); {
+		case errors.Is(err, context.DeadlineExceeded):
+			fmt.Fprintf(h.log, "mgpu: rollback: device %d: the enforcer did not answer in time either; an instance it made for this container is released when the container's init exits\n", uncertainDev)
+		case err != nil:
 			fmt.Fprintf(h.log, "mgpu: rollback: device %d: %v\n", uncertainDev, err)
 		}
 	}

@@ -3,6 +3,7 @@ package hook
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -36,6 +37,9 @@ func (f *fakeEnforcer) Device(context.Context) (api.DeviceResponse, error) {
 }
 
 func (f *fakeEnforcer) Create(ctx context.Context, req api.CreateRequest) (api.CreateResponse, error) {
+	if req.UUID != f.uuid {
+		return api.CreateResponse{}, &api.Error{Status: 409, Message: fmt.Sprintf("device %d is %s, not %s; regenerate the CDI spec (mgpu-cli cdi generate)", f.index, f.uuid, req.UUID)}
+	}
 	f.lastPolicy = req.Policy
 	f.lastPod = req.Pod
 	st := f.startTime
@@ -129,7 +133,7 @@ func TestCreateChecksTheDeviceUUID(t *testing.T) {
 	fakes[1].uuid = "GPU-other"
 	h := New(cfg, WithProc(proc), WithEnforcers(func(i int) Enforcer { return fakes[i] }))
 	_, err := h.Create(context.Background(), st)
-	want := "the CDI spec says GPU 1 is GPU-b but device 1 is GPU-other; regenerate the CDI spec (mgpu-cli cdi generate)"
+	want := "device 1 is GPU-other, not GPU-b; regenerate the CDI spec (mgpu-cli cdi generate)"
 	if err == nil || err.Error() != want {
 		t.Fatalf("got %v, want %q", err, want)
 	}

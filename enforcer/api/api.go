@@ -95,6 +95,10 @@ type CreateRequest struct {
 	// CRI made the container (the hook reads it from the CRI's
 	// annotations); labels of the instance's metrics.
 	Pod *PodRef `json:"pod,omitempty"`
+	// UUID, when set, is the GPU the caller means (the hook sends the
+	// CDI spec's): the enforcer refuses the create if its device is
+	// another, e.g. after the GPUs changed under an old CDI spec.
+	UUID string `json:"uuid,omitempty"`
 }
 
 // PodRef names a Kubernetes pod's container.
@@ -252,6 +256,7 @@ const MaxRequestBytes = 64 << 10
 const (
 	MaxContainerIDLen = 1024
 	MaxCgroupLen      = 4096
+	MaxUUIDLen        = 128
 )
 
 // ErrBadRequest is returned (wrapped) by DecodeCreateRequest.
@@ -320,6 +325,14 @@ func (r *CreateRequest) Validate() error {
 	if r.Policy != "" {
 		if _, err := policy.Parse(r.Policy); err != nil {
 			return fmt.Errorf("%w: %w", ErrBadRequest, err)
+		}
+	}
+	if len(r.UUID) > MaxUUIDLen {
+		return fmt.Errorf("%w: uuid longer than %d bytes", ErrBadRequest, MaxUUIDLen)
+	}
+	for _, c := range r.UUID {
+		if !unicode.IsPrint(c) || c == ' ' {
+			return fmt.Errorf("%w: uuid %q has a character that is not printable", ErrBadRequest, r.UUID)
 		}
 	}
 	if r.Pod != nil {

@@ -314,3 +314,57 @@ func TestGrantWakesFutexWaiter(t *testing.T) {
 		t.Fatal("SetGrant(1) twice reported a change")
 	}
 }
+
+// A blank region is no region until Install moves it into place and writes
+// its header; an Install that cannot move it leaves it blank where it was.
+func TestBlankInstall(t *testing.T) {
+	t.Parallel()
+	root := t.TempDir()
+	blank := filepath.Join(root, ".blank")
+	b, err := CreateBlank(blank)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if ents, _ := os.ReadDir(blank); len(ents) != MaxProcs+1 {
+		t.Fatalf("%d files in the blank region, want %d", len(ents), MaxProcs+1)
+	}
+	if _, err := Open(blank); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("open of a blank region: %v, want ErrInvalid", err)
+	}
+
+	taken := filepath.Join(root, "mgpu1inst6")
+	if err := os.MkdirAll(filepath.Join(taken, "x"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Install(taken, testParams()); err == nil {
+		t.Fatal("install over a non-empty directory succeeded")
+	}
+	if b.Dir() != blank || b.L().Magic != 0 {
+		t.Fatalf("after a failed install: dir %s magic %#x, want %s and no header", b.Dir(), b.L().Magic, blank)
+	}
+
+	dir := filepath.Join(root, "mgpu1inst7")
+	if err := b.Install(dir, testParams()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(blank); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the blank directory is still there: %v", err)
+	}
+	r, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if got := r.Params(); got != testParams() {
+		t.Fatalf("params %+v, want %+v", got, testParams())
+	}
+	// The installed mapping and a fresh one are the same pages.
+	b.Proc(3).Claim(42, 99)
+	if p := r.Proc(3); p.PID.Load() != 42 || p.StartTime.Load() != 99 {
+		t.Fatalf("slot 3 through a new mapping: pid %d start %d", p.PID.Load(), p.StartTime.Load())
+	}
+	if err := b.Install(filepath.Join(root, "again"), testParams()); err == nil {
+		t.Fatal("a second install of the same region succeeded")
+	}
+}
