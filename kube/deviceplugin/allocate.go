@@ -32,6 +32,15 @@ func invalid(format string, a ...any) error {
 	return status.Error(codes.InvalidArgument, errPrefix+fmt.Sprintf(format, a...))
 }
 
+// checkActive refuses an allocation of an inactive plugin (the node's mode
+// changed while the kubelet still had its devices).
+func (p *Plugin) checkActive() error {
+	if !p.Active() {
+		return status.Errorf(codes.FailedPrecondition, "%s%s is not served on this node now: its %s mode is another", errPrefix, p.scheme.Core, ModeLabel)
+	}
+	return nil
+}
+
 // placeError turns an error of package placement into a gRPC error.
 func placeError(err error) error {
 	var nf *placement.NoFitError
@@ -104,6 +113,9 @@ func countList(by map[int][]ID) string {
 // (placement.Place); without one, or when no GPU has it, only core is
 // considered (placement.PlaceCore) and the hook's admission is the check.
 func (p *Plugin) GetPreferredAllocation(ctx context.Context, r *pluginapi.PreferredAllocationRequest) (*pluginapi.PreferredAllocationResponse, error) {
+	if err := p.checkActive(); err != nil {
+		return nil, err
+	}
 	out := &pluginapi.PreferredAllocationResponse{}
 	for _, cr := range r.GetContainerRequests() {
 		ids, err := p.preferred(ctx, cr.GetAvailableDeviceIDs(), cr.GetMustIncludeDeviceIDs(), int(cr.GetAllocationSize()))
@@ -297,6 +309,9 @@ func idStrings(ids []ID) []string {
 // GPU, whole sets of 100 are whole GPUs. Each GPU is named as its CDI
 // device (kind=index) and MGPU_CORE carries the share's core.
 func (p *Plugin) Allocate(_ context.Context, r *pluginapi.AllocateRequest) (*pluginapi.AllocateResponse, error) {
+	if err := p.checkActive(); err != nil {
+		return nil, err
+	}
 	out := &pluginapi.AllocateResponse{}
 	for _, cr := range r.GetContainerRequests() {
 		resp, err := p.allocate(cr.GetDevicesIds())

@@ -22,11 +22,19 @@ import (
 	"github.com/mgpu-dev/mgpu/kube/placement"
 )
 
-const help = `mgpu-device-plugin is mgpu's kubelet device plugin. It serves the resource
-` + ResourceName + ` (percent of a GPU's time; 100 = one whole GPU,
-multiples of 100 = whole GPUs) on the socket ` + SocketName + ` of the device-plugin
-directory, registers with the kubelet there, and registers again whenever
-the kubelet restarts.
+const help = `mgpu-device-plugin is mgpu's kubelet device plugin. It serves, by the
+node's scheduling mode (the label ` + ModeLabel + `, else --default-mode):
+
+  mode      compute (device plugin)            memory (node capacity)
+  mgpu      ` + string(ResourceName) + `       ` + string(MemoryResourceName) + ` (MiB)
+  core_mem  aliyun.com/gpu-core.percentage     aliyun.com/gpu-mem (GiB)
+
+Compute is percent of a GPU's time (100 = one whole GPU, multiples of 100 =
+whole GPUs); the other mode's resources are 0. A mode change waits until no
+container holds device IDs of the current mode (drain the node's GPU pods).
+Each resource has its socket in the device-plugin directory (` + SocketName + `,
+mgpu-ack-core.sock); the plugin registers with the kubelet there, and again
+whenever the kubelet restarts.
 
 Each GPU of the node is 100 device IDs, mgpu-<gpu>-<k> with k = 00..99
 (mgpu-0-00 .. mgpu-0-99 for GPU 0), healthy while the GPU's enforcer
@@ -38,13 +46,13 @@ of IDs follows the node's label ack.node.gpu.placement, else --placement
 
 It is also the node agent, and needs the API server for that (--kubeconfig,
 $KUBECONFIG, or the pod's service account when it runs in a pod):
-  - it publishes vke.volcengine.com/mgpu-memory (MiB of all GPUs) as node
-    capacity, and the node labels vke.node.gpu.schedule=mgpu, the policy
-    label vke.volcengine.com/mgpu-compute-policy and the card-model labels
-    of mgpu-cli node labels;
+  - it publishes the mode's memory as node capacity, and the node labels
+    vke.node.gpu.schedule=mgpu, the policy label
+    vke.volcengine.com/mgpu-compute-policy and the card-model labels of
+    mgpu-cli node labels;
   - it answers mgpu-hook, on <run_dir>/` + agentapi.SocketName + `, which quota a
-    container has: its own pod's mgpu-core, mgpu-memory and policy
-    annotation, on the GPUs the kubelet allocated to it (PodResources API).
+    container has: its own pod's compute, memory and policy annotation, on
+    the GPUs the kubelet allocated to it (PodResources API).
 See docs/kubernetes.md.
 
 Usage: mgpu-device-plugin [flags]
@@ -61,6 +69,7 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(io.Discard) // errors are written below, in one line
 	cfgPath := fs.String("config", "", "node configuration `FILE` (default $"+config.EnvPath+" or "+config.DefaultPath+")")
 	dir := fs.String("device-plugin-dir", strings.TrimSuffix(DefaultDir, "/"), "the kubelet's device-plugin `DIR`, where kubelet.sock is and "+SocketName+" is created")
+	mode := fs.String("default-mode", SchemeMGPU.Mode, "`MODE` of a node without the label "+ModeLabel+": "+modeNames())
 	place := fs.String("placement", placement.Binpack.String(), "`POLICY` of preferred allocations across GPUs: binpack or spread (as the node label ack.node.gpu.placement)")
 	kubeconfig := fs.String("kubeconfig", "", "`FILE` of the API server's address and credentials (default $KUBECONFIG, else in-cluster)")
 	nodeName := fs.String("node-name", "", "the `NAME` of this node's Node object (default $NODE_NAME, else the host name)")
@@ -87,6 +96,10 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	pol, err := placement.ParsePolicy(*place)
 	if err != nil {
 		return fail(2, "--placement: %v", err)
+	}
+	defMode, err := ParseMode(*mode)
+	if err != nil {
+		return fail(2, "--default-mode: %v", err)
 	}
 	if *dir == "" {
 		return fail(2, "--device-plugin-dir is empty")
@@ -143,12 +156,12 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	for _, l := range labels {
 		want[l.Key] = l.Value
 	}
-	var memory uint64
 	gpus := make([]int, len(devs))
+	gpuMiB := make([]uint64, len(devs))
 	uuids := map[int]string{}
 	for i, d := range devs {
 		gpus[i] = d.Index
-		memory += d.MemoryMiB()
+		gpuMiB[i] = d.MemoryMiB()
 		if d.UUID != "" {
 			uuids[d.Index] = d.UUID
 		}
@@ -159,10 +172,17 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	}
 	defer func() { _ = allocs.Close() }()
 	resolver := NewResolver(node, gpus, NewAPIPods(client, node), allocs)
-	p, err := New(gpus, NewEnforcerCards(cfg, gpus),
-		WithDir(*dir), WithPolicy(pol), WithCDIKind(cfg.CDIKind), WithResolver(resolver), WithUUIDs(uuids), WithLogger(log))
-	if err != nil {
-		return fail(1, "%v", err)
+	resolver.SetScheme(defMode)
+	// One plugin per scheme; the node's mode (the first publish) decides
+	// which one lists devices.
+	var plugins []*Plugin
+	for _, sch := range Schemes {
+		p, err := New(gpus, NewEnforcerCards(cfg, gpus), WithScheme(sch), WithActive(sch.Mode == defMode.Mode),
+			WithDir(*dir), WithPolicy(pol), WithCDIKind(cfg.CDIKind), WithResolver(resolver), WithUUIDs(uuids), WithLogger(log))
+		if err != nil {
+			return fail(1, "%v", err)
+		}
+		plugins = append(plugins, p)
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -170,9 +190,12 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	var wg sync.WaitGroup
 	agentErr := make(chan error, 1)
 	wg.Go(func() { agentErr <- ServeAgent(ctx, agentapi.Socket(cfg.RunDir), resolver, log) })
-	wg.Go(func() { NewNodePublisher(client, node, want, memory, p, pol, log).Run(ctx, *nodeInterval) })
-	runErr := make(chan error, 1)
-	wg.Go(func() { runErr <- p.Run(ctx) })
+	pub := NewNodePublisher(client, node, want, gpuMiB, plugins, pol, log).WithModes(defMode, resolver, allocs)
+	wg.Go(func() { pub.Run(ctx, *nodeInterval) })
+	runErr := make(chan error, len(plugins))
+	for _, p := range plugins {
+		wg.Go(func() { runErr <- p.Run(ctx) })
+	}
 	var status int
 	select {
 	case err := <-agentErr:

@@ -63,6 +63,9 @@ func (p *Plugin) devices() ([]*pluginapi.Device, <-chan struct{}) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	out := make([]*pluginapi.Device, 0, len(p.gpus)*IDsPerGPU)
+	if !p.active {
+		return out, p.changed
+	}
 	for _, g := range p.gpus {
 		health := pluginapi.Healthy
 		if h, known := p.healthy[g]; known && !h {

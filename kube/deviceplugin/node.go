@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
@@ -26,25 +27,53 @@ const PlacementLabel = "ack.node.gpu.placement"
 const DefaultPublishInterval = 30 * time.Second
 
 // NodePublisher keeps the node object as mgpu describes it: its labels
-// (card model, policy, vke.node.gpu.schedule=mgpu) and the capacity
-// vke.volcengine.com/mgpu-memory (MiB of all its GPUs), and follows the
-// node's placement label.
+// (card model, policy, vke.node.gpu.schedule=mgpu) and the memory capacity
+// of the node's scheme (vke.volcengine.com/mgpu-memory in MiB, or
+// aliyun.com/gpu-mem in GiB), the other schemes' at 0. It follows the
+// node's placement label, and its mode label (ModeLabel): the plugin of
+// the mode's scheme lists the devices, the others none.
+//
+// A mode change waits until no container holds device IDs of the current
+// scheme (the kubelet's allocations): a running pod keeps the resources,
+// quotas and answers it was admitted with. Draining the node's GPU pods
+// applies it.
 type NodePublisher struct {
-	client    kubernetes.Interface
-	node      string
-	labels    map[string]string
-	memoryMiB uint64
-	plugin    *Plugin
-	fallback  placement.Policy
-	log       *slog.Logger
+	client   kubernetes.Interface
+	node     string
+	labels   map[string]string
+	gpuMiB   []uint64
+	plugins  []*Plugin
+	fallback placement.Policy
+	log      *slog.Logger
+
+	modes      bool // WithModes was given
+	resolver   *Resolver
+	allocs     AllocationSource
+	defaultSch Scheme
+	current    *Scheme // nil until the first publish decides
+	deferred   string  // the mode whose change was last said to wait
+	refused    string  // the label value last said to be unsupported
 }
 
-// NewNodePublisher returns the publisher of node: labels to set, memoryMiB
-// to publish, and plugin whose placement follows the node's label
-// (fallback when it has none).
-func NewNodePublisher(client kubernetes.Interface, node string, labels map[string]string, memoryMiB uint64, plugin *Plugin, fallback placement.Policy, log *slog.Logger) *NodePublisher {
-	return &NodePublisher{client: client, node: node, labels: maps.Clone(labels), memoryMiB: memoryMiB, plugin: plugin, fallback: fallback, log: log}
+// NewNodePublisher returns the publisher of node: labels to set, the
+// memory of each GPU (MiB), and the plugins (one per scheme) whose
+// placement follows the node's label (fallback when it has none).
+func NewNodePublisher(client kubernetes.Interface, node string, labels map[string]string, gpuMiB []uint64, plugins []*Plugin, fallback placement.Policy, log *slog.Logger) *NodePublisher {
+	return &NodePublisher{client: client, node: node, labels: maps.Clone(labels), gpuMiB: slices.Clone(gpuMiB),
+		plugins: slices.Clone(plugins), fallback: fallback, log: log, defaultSch: SchemeMGPU}
 }
+
+// WithModes makes the publisher follow the node's mode label: def is the
+// scheme of a node without the label, r the resolver to switch with it,
+// allocs the kubelet's allocations that hold a change back. Without it
+// the node serves the first plugin's scheme.
+func (n *NodePublisher) WithModes(def Scheme, r *Resolver, allocs AllocationSource) *NodePublisher {
+	n.modes, n.defaultSch, n.resolver, n.allocs = true, def, r, allocs
+	return n
+}
+
+// Current is the scheme the node serves (nil before the first publish).
+func (n *NodePublisher) Current() *Scheme { return n.current }
 
 // Run publishes at once and every interval until ctx ends; failures are
 // logged and tried again.
@@ -63,8 +92,8 @@ func (n *NodePublisher) Run(ctx context.Context, interval time.Duration) {
 	}
 }
 
-// Publish sets what differs: labels, then the status's capacity; and the
-// plugin's placement from the node's label.
+// Publish sets what differs: the mode, labels, then the status's
+// capacity; and the plugins' placement from the node's label.
 func (n *NodePublisher) Publish(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -82,9 +111,15 @@ func (n *NodePublisher) Publish(ctx context.Context) error {
 			pol = p
 		}
 	}
-	if pol != n.plugin.Policy() {
-		n.log.Info("placement", "policy", pol.String())
-		n.plugin.SetPolicy(pol)
+	for _, p := range n.plugins {
+		if pol != p.Policy() {
+			n.log.Info("placement", "policy", pol.String(), "resource", p.Scheme().Core)
+			p.SetPolicy(pol)
+		}
+	}
+
+	if err := n.applyMode(ctx, node.Labels); err != nil {
+		return err
 	}
 
 	change := map[string]string{}
@@ -101,13 +136,108 @@ func (n *NodePublisher) Publish(ctx context.Context) error {
 		n.log.Info("node labels set", "node", n.node, "labels", change)
 	}
 
-	want := strconv.FormatUint(n.memoryMiB, 10)
-	if q, ok := node.Status.Capacity[MemoryResourceName]; !ok || q.String() != want {
-		patch, _ := json.Marshal(map[string]any{"status": map[string]any{"capacity": map[string]string{MemoryResourceName: want}}})
-		if _, err := n.client.CoreV1().Nodes().Patch(ctx, n.node, types.MergePatchType, patch, metav1.PatchOptions{}, "status"); err != nil {
-			return fmt.Errorf("node %s: capacity %s: %w", n.node, MemoryResourceName, err)
+	capacity := map[string]string{}
+	for _, s := range n.schemes() {
+		want := "0"
+		if n.current != nil && s.Mode == n.current.Mode {
+			want = strconv.FormatUint(s.MemoryUnits(n.gpuMiB), 10)
 		}
-		n.log.Info("node capacity set", "node", n.node, "resource", MemoryResourceName, "mib", want)
+		if q, ok := node.Status.Capacity[s.Memory]; !ok || q.String() != want {
+			capacity[string(s.Memory)] = want
+		}
 	}
+	if len(capacity) > 0 {
+		patch, _ := json.Marshal(map[string]any{"status": map[string]any{"capacity": capacity}})
+		if _, err := n.client.CoreV1().Nodes().Patch(ctx, n.node, types.MergePatchType, patch, metav1.PatchOptions{}, "status"); err != nil {
+			return fmt.Errorf("node %s: capacity: %w", n.node, err)
+		}
+		n.log.Info("node capacity set", "node", n.node, "capacity", capacity)
+	}
+	return nil
+}
+
+// schemes are the schemes of the plugins, in their order.
+func (n *NodePublisher) schemes() []Scheme {
+	out := make([]Scheme, len(n.plugins))
+	for i, p := range n.plugins {
+		out[i] = p.Scheme()
+	}
+	return out
+}
+
+// applyMode works out the node's scheme from its mode label and switches
+// to it when no container holds device IDs of the current one.
+func (n *NodePublisher) applyMode(ctx context.Context, labels map[string]string) error {
+	if !n.modes {
+		if n.current == nil && len(n.plugins) > 0 {
+			s := n.plugins[0].Scheme()
+			n.current = &s
+		}
+		return nil
+	}
+	want := n.defaultSch
+	if v, ok := labels[ModeLabel]; ok {
+		s, err := ParseMode(v)
+		switch {
+		case err != nil && n.current != nil:
+			if n.refused != v {
+				n.log.Warn("the node's mode label is not served; keeping the mode", "err", err, "mode", n.current.Mode)
+				n.refused = v
+			}
+			want = *n.current
+		case err != nil:
+			if n.refused != v {
+				n.log.Warn("the node's mode label is not served; using the default", "err", err, "mode", n.defaultSch.Mode)
+				n.refused = v
+			}
+		default:
+			want = s
+			n.refused = ""
+		}
+	}
+	if n.current != nil && want.Mode == n.current.Mode {
+		n.deferred = ""
+		return nil
+	}
+	allocs, err := n.allocs.Allocations(ctx)
+	if err != nil {
+		return fmt.Errorf("node %s: mode %s: the kubelet's allocations: %w", n.node, want.Mode, err)
+	}
+	held := map[corev1.ResourceName]int{}
+	for _, a := range allocs {
+		if len(a.IDs) > 0 {
+			held[a.Resource]++
+		}
+	}
+	if n.current == nil {
+		// At start: a scheme that containers hold is the node's,
+		// whatever the label says now.
+		for _, s := range n.schemes() {
+			if held[s.Core] > 0 && s.Mode != want.Mode {
+				n.log.Warn("containers hold device IDs of another mode than the label's; keeping it until they are gone", "mode", s.Mode, "label", want.Mode, "containers", held[s.Core])
+				want = s
+				break
+			}
+		}
+	} else if k := held[n.current.Core]; k > 0 {
+		if n.deferred != want.Mode {
+			n.log.Warn("mode change waits until no container holds the current mode's device IDs (drain the node's GPU pods)",
+				"from", n.current.Mode, "to", want.Mode, "containers", k, "resource", n.current.Core)
+			n.deferred = want.Mode
+		}
+		return nil
+	}
+	for _, p := range n.plugins {
+		p.SetActive(p.Scheme().Mode == want.Mode)
+	}
+	if n.resolver != nil {
+		n.resolver.SetScheme(want)
+	}
+	from := "none"
+	if n.current != nil {
+		from = n.current.Mode
+	}
+	n.current, n.deferred = &want, ""
+	n.log.Info("mode", "from", from, "to", want.Mode, "core", want.Core, "memory", want.Memory)
 	return nil
 }

@@ -21,7 +21,7 @@ func TestNodePublisher(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := map[string]string{"vke.node.gpu.schedule": "mgpu", PolicyKey: "guaranteed-burst-share"}
-	n := NewNodePublisher(client, "n1", want, 163840, p, placement.Binpack, testLogger())
+	n := NewNodePublisher(client, "n1", want, []uint64{81920, 81920}, []*Plugin{p}, placement.Binpack, testLogger())
 	ctx := context.Background()
 	if err := n.Publish(ctx); err != nil {
 		t.Fatal(err)
@@ -59,7 +59,7 @@ func TestNodePublisher(t *testing.T) {
 	if p.Policy() != placement.Binpack {
 		t.Errorf("placement %v after a bad label, want binpack", p.Policy())
 	}
-	if err := NewNodePublisher(client, "missing", want, 1, p, placement.Binpack, testLogger()).Publish(ctx); err == nil {
+	if err := NewNodePublisher(client, "missing", want, []uint64{1}, []*Plugin{p}, placement.Binpack, testLogger()).Publish(ctx); err == nil {
 		t.Error("a node that does not exist: no error")
 	}
 }

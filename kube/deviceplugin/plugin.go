@@ -53,6 +53,7 @@ type Plugin struct {
 	pluginapi.UnimplementedDevicePluginServer
 
 	gpus     []int // the node's GPU indexes, sorted
+	scheme   Scheme
 	src      CardSource
 	dir      string
 	policy   atomic.Int32 // placement.Policy; the node label may change it
@@ -63,12 +64,43 @@ type Plugin struct {
 	log      *slog.Logger
 
 	mu      sync.Mutex
+	active  bool          // the node's mode is the scheme's: devices are listed
 	healthy map[int]bool  // by GPU index; absent: not polled yet (healthy)
-	changed chan struct{} // closed and replaced when healthy changes
+	changed chan struct{} // closed and replaced when active or healthy changes
 }
 
 // Option configures a Plugin.
 type Option func(*Plugin)
+
+// WithScheme sets the resource the plugin serves (default SchemeMGPU).
+func WithScheme(s Scheme) Option { return func(p *Plugin) { p.scheme = s } }
+
+// WithActive sets whether the plugin starts active (default true): an
+// inactive plugin lists no devices and allocates none.
+func WithActive(active bool) Option { return func(p *Plugin) { p.active = active } }
+
+// SetActive makes the plugin list its devices (true) or none (false); the
+// kubelet hears of it at once through ListAndWatch. The node's mode
+// changed.
+func (p *Plugin) SetActive(active bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.active != active {
+		p.active = active
+		close(p.changed)
+		p.changed = make(chan struct{})
+	}
+}
+
+// Active reports whether the plugin lists its devices.
+func (p *Plugin) Active() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.active
+}
+
+// Scheme is the scheme whose Core resource the plugin serves.
+func (p *Plugin) Scheme() Scheme { return p.scheme }
 
 // WithDir sets the device-plugin directory (default DefaultDir).
 func WithDir(dir string) Option { return func(p *Plugin) { p.dir = dir } }
@@ -109,6 +141,8 @@ func WithLogger(l *slog.Logger) Option { return func(p *Plugin) { p.log = l } }
 func New(gpus []int, src CardSource, opts ...Option) (*Plugin, error) {
 	p := &Plugin{
 		gpus:     slices.Clone(gpus),
+		scheme:   SchemeMGPU,
+		active:   true,
 		src:      src,
 		dir:      DefaultDir,
 		cdiKind:  config.DefaultCDIKind,
@@ -136,7 +170,7 @@ func New(gpus []int, src CardSource, opts ...Option) (*Plugin, error) {
 }
 
 // SocketPath is the plugin's socket.
-func (p *Plugin) SocketPath() string { return filepath.Join(p.dir, SocketName) }
+func (p *Plugin) SocketPath() string { return filepath.Join(p.dir, p.scheme.Socket) }
 
 // KubeletSocketPath is the kubelet's registration socket.
 func (p *Plugin) KubeletSocketPath() string { return filepath.Join(p.dir, KubeletSocketName) }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"sync/atomic"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -33,10 +34,11 @@ type PodSource interface {
 	NodePods(ctx context.Context) ([]corev1.Pod, error)
 }
 
-// Allocation is the mgpu-core device IDs the kubelet allocated to one
-// container (the PodResources API).
+// Allocation is the device IDs of one resource (a Scheme's Core) the
+// kubelet allocated to one container (the PodResources API).
 type Allocation struct {
 	Namespace, Pod, Container string
+	Resource                  corev1.ResourceName
 	IDs                       []string
 }
 
@@ -51,13 +53,16 @@ type ContainerRequest struct {
 	MemoryMiB uint64 // 0: none
 }
 
-// RequestOf reads a container's mgpu requests: its limits, else its
-// requests (the API server makes them equal for extended resources).
-// Values that are not whole numbers, core outside 1..100 and not a
-// multiple of 100, memory without core and fractional core without memory
-// are errors; the admission webhook refuses such pods, and the agent does
-// not rely on it having run.
-func RequestOf(c *corev1.Container) (ContainerRequest, error) {
+// RequestOf reads a container's mgpu requests under SchemeMGPU.
+func RequestOf(c *corev1.Container) (ContainerRequest, error) { return SchemeMGPU.RequestOf(c) }
+
+// RequestOf reads a container's requests of the scheme's resources: its
+// limits, else its requests (the API server makes them equal for extended
+// resources), memory converted to MiB. Values that are not whole numbers,
+// core outside 1..100 and not a multiple of 100, memory without core and
+// fractional core without memory are errors; the admission webhook refuses
+// such pods, and the agent does not rely on it having run.
+func (s Scheme) RequestOf(c *corev1.Container) (ContainerRequest, error) {
 	get := func(name corev1.ResourceName) (resource.Quantity, bool) {
 		if q, ok := c.Resources.Limits[name]; ok {
 			return q, true
@@ -66,27 +71,39 @@ func RequestOf(c *corev1.Container) (ContainerRequest, error) {
 		return q, ok
 	}
 	var r ContainerRequest
-	if q, ok := get(ResourceName); ok {
+	if q, ok := get(s.Core); ok {
 		v, whole := q.AsInt64()
 		if !whole || v < 1 || (v > IDsPerGPU && v%IDsPerGPU != 0) {
-			return r, fmt.Errorf("%s %s is not 1 to 100 or a multiple of 100", ResourceName, q.String())
+			return r, fmt.Errorf("%s %s is not 1 to 100 or a multiple of 100", s.Core, q.String())
 		}
 		r.Core = int(v)
 	}
-	if q, ok := get(MemoryResourceName); ok {
+	if q, ok := get(s.Memory); ok {
 		v, whole := q.AsInt64()
-		if !whole || v < 1 || uint64(v) > hook.MaxMemoryMiB {
-			return r, fmt.Errorf("%s %s is not a whole number of MiB from 1 to %d", MemoryResourceName, q.String(), hook.MaxMemoryMiB)
+		maxUnits := hook.MaxMemoryMiB / s.MemoryUnitMiB
+		if !whole || v < 1 || uint64(v) > maxUnits {
+			return r, fmt.Errorf("%s %s is not a whole number of %s from 1 to %d", s.Memory, q.String(), s.unitName(), maxUnits)
 		}
-		r.MemoryMiB = uint64(v)
+		r.MemoryMiB = uint64(v) * s.MemoryUnitMiB
 	}
 	switch {
 	case r.MemoryMiB > 0 && r.Core == 0:
-		return r, fmt.Errorf("%s needs %s", MemoryResourceName, ResourceName)
+		return r, fmt.Errorf("%s needs %s", s.Memory, s.Core)
 	case r.Core > 0 && r.Core < IDsPerGPU && r.MemoryMiB == 0:
-		return r, fmt.Errorf("%s %d (a share of one GPU) needs %s", ResourceName, r.Core, MemoryResourceName)
+		return r, fmt.Errorf("%s %d (a share of one GPU) needs %s", s.Core, r.Core, s.Memory)
 	}
 	return r, nil
+}
+
+// unitName is the name of the scheme's memory unit.
+func (s Scheme) unitName() string {
+	switch s.MemoryUnitMiB {
+	case 1:
+		return "MiB"
+	case 1024:
+		return "GiB"
+	}
+	return fmt.Sprintf("%d MiB", s.MemoryUnitMiB)
 }
 
 // PolicyOf is a pod's compute policy: its annotation, else fixed-share.
@@ -114,17 +131,39 @@ func findContainer(pod *corev1.Pod, name string) *corev1.Container {
 	return nil
 }
 
-// Resolver answers which quota a container of this node has.
+// Resolver answers which quota a container of this node has, under the
+// node's scheme (SchemeMGPU until SetScheme).
 type Resolver struct {
 	node   string
 	gpus   []int
 	pods   PodSource
 	allocs AllocationSource
+	scheme atomic.Pointer[Scheme]
 }
 
 // NewResolver returns the resolver of node, whose GPUs are gpus.
 func NewResolver(node string, gpus []int, pods PodSource, allocs AllocationSource) *Resolver {
-	return &Resolver{node: node, gpus: slices.Clone(gpus), pods: pods, allocs: allocs}
+	r := &Resolver{node: node, gpus: slices.Clone(gpus), pods: pods, allocs: allocs}
+	r.SetScheme(SchemeMGPU)
+	return r
+}
+
+// SetScheme changes the resources the resolver reads (the node's mode
+// changed).
+func (r *Resolver) SetScheme(s Scheme) { r.scheme.Store(&s) }
+
+// Scheme is the scheme the resolver reads.
+func (r *Resolver) Scheme() Scheme { return *r.scheme.Load() }
+
+// idsOf returns the IDs of resource the kubelet allocated to a container.
+func idsOf(allocs []Allocation, resource corev1.ResourceName, ns, pod, ctr string) []string {
+	var ids []string
+	for _, a := range allocs {
+		if a.Resource == resource && a.Namespace == ns && a.Pod == pod && a.Container == ctr {
+			ids = append(ids, a.IDs...)
+		}
+	}
+	return ids
 }
 
 // refuse is an answer that names the container.
@@ -154,12 +193,13 @@ func (r *Resolver) Resolve(ctx context.Context, c agentapi.Container) (agentapi.
 	if spec == nil {
 		return agentapi.Assignment{}, refuse(c, "the pod has no such container")
 	}
-	req, err := RequestOf(spec)
+	sch := r.Scheme()
+	req, err := sch.RequestOf(spec)
 	if err != nil {
 		return agentapi.Assignment{}, refuse(c, "%v", err)
 	}
 	if req.Core == 0 {
-		return agentapi.Assignment{}, refuse(c, "it has an mgpu device but requests no %s; request the GPU through the resource, not the CDI device", ResourceName)
+		return agentapi.Assignment{}, refuse(c, "it has an mgpu device but requests no %s (the node's %s is %s); request the GPU through the resource, not the CDI device", sch.Core, ModeLabel, sch.Mode)
 	}
 	pol, err := PolicyOf(pod)
 	if err != nil {
@@ -170,14 +210,9 @@ func (r *Resolver) Resolve(ctx context.Context, c agentapi.Container) (agentapi.
 	if err != nil {
 		return agentapi.Assignment{}, refuse(c, "reading the kubelet's allocations: %v", err)
 	}
-	var ids []string
-	for _, a := range allocs {
-		if a.Namespace == c.Namespace && a.Pod == c.Pod && a.Container == c.Container {
-			ids = append(ids, a.IDs...)
-		}
-	}
+	ids := idsOf(allocs, sch.Core, c.Namespace, c.Pod, c.Container)
 	if len(ids) != req.Core {
-		return agentapi.Assignment{}, refuse(c, "it requests %s %d, and the kubelet allocated %d of its device IDs", ResourceName, req.Core, len(ids))
+		return agentapi.Assignment{}, refuse(c, "it requests %s %d, and the kubelet allocated %d of its device IDs", sch.Core, req.Core, len(ids))
 	}
 	by := map[int]int{}
 	seen := map[ID]bool{}
@@ -196,18 +231,18 @@ func (r *Resolver) Resolve(ctx context.Context, c agentapi.Container) (agentapi.
 	out := agentapi.Assignment{Container: c, Policy: pol.String()}
 	if req.Core < IDsPerGPU {
 		if len(gpus) != 1 {
-			return agentapi.Assignment{}, refuse(c, "%s %d must come from one GPU; the kubelet allocated IDs of %d GPUs", ResourceName, req.Core, len(gpus))
+			return agentapi.Assignment{}, refuse(c, "%s %d must come from one GPU; the kubelet allocated IDs of %d GPUs", sch.Core, req.Core, len(gpus))
 		}
 		out.GPUs = []agentapi.GPU{{Index: gpus[0], Core: req.Core, MemoryMiB: req.MemoryMiB}}
 		return out, nil
 	}
 	n := uint64(len(gpus))
 	if req.MemoryMiB > 0 && req.MemoryMiB < n {
-		return agentapi.Assignment{}, refuse(c, "%s %d across %d GPUs is under 1 MiB each", MemoryResourceName, req.MemoryMiB, n)
+		return agentapi.Assignment{}, refuse(c, "%s of %d MiB across %d GPUs is under 1 MiB each", sch.Memory, req.MemoryMiB, n)
 	}
 	for _, g := range gpus {
 		if by[g] != IDsPerGPU {
-			return agentapi.Assignment{}, refuse(c, "%s %d is whole GPUs, and the kubelet allocated %d IDs of GPU %d", ResourceName, req.Core, by[g], g)
+			return agentapi.Assignment{}, refuse(c, "%s %d is whole GPUs, and the kubelet allocated %d IDs of GPU %d", sch.Core, req.Core, by[g], g)
 		}
 		// A whole-GPU request's memory is the container's across its
 		// GPUs, split evenly; none means each whole card.
@@ -250,10 +285,11 @@ func (r *Resolver) pendingMemory(ctx context.Context, size int) (commitment, err
 	for i := range pods {
 		byPod[[2]string{pods[i].Namespace, pods[i].Name}] = &pods[i]
 	}
+	sch := r.Scheme()
 	out := commitment{committed: map[int]uint64{}}
 	allocated := map[key]bool{}
 	for _, a := range allocs {
-		if len(a.IDs) == 0 {
+		if len(a.IDs) == 0 || a.Resource != sch.Core {
 			continue
 		}
 		allocated[key{a.Namespace, a.Pod, a.Container}] = true
@@ -270,7 +306,7 @@ func (r *Resolver) pendingMemory(ctx context.Context, size int) (commitment, err
 		}
 		req := ContainerRequest{}
 		if spec != nil {
-			req, _ = RequestOf(spec)
+			req, _ = sch.RequestOf(spec)
 		}
 		for g := range per {
 			switch {
@@ -290,7 +326,7 @@ func (r *Resolver) pendingMemory(ctx context.Context, size int) (commitment, err
 		}
 		for _, l := range [][]corev1.Container{pod.Spec.InitContainers, pod.Spec.Containers} {
 			for j := range l {
-				req, err := RequestOf(&l[j])
+				req, err := sch.RequestOf(&l[j])
 				if err != nil || req.Core != size || allocated[key{pod.Namespace, pod.Name, l[j].Name}] {
 					continue
 				}

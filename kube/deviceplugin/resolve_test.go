@@ -86,13 +86,13 @@ func TestResolve(t *testing.T) {
 		wrongNode,
 	}}
 	allocs := &fakeAllocs{allocs: []Allocation{
-		{Namespace: "ns", Pod: "share", Container: "main", IDs: ids(1, 0, 30)},
-		{Namespace: "ns", Pod: "whole2", Container: "main", IDs: append(ids(0, 0, 100), ids(1, 0, 100)...)},
-		{Namespace: "ns", Pod: "whole2mem", Container: "main", IDs: append(ids(0, 0, 100), ids(1, 0, 100)...)},
-		{Namespace: "ns", Pod: "badpolicy", Container: "main", IDs: ids(0, 0, 30)},
-		{Namespace: "ns", Pod: "short", Container: "main", IDs: ids(0, 0, 29)},
-		{Namespace: "ns", Pod: "split", Container: "main", IDs: append(ids(0, 0, 15), ids(1, 0, 15)...)},
-		{Namespace: "ns", Pod: "elsewhere", Container: "main", IDs: ids(0, 0, 30)},
+		{Namespace: "ns", Pod: "share", Container: "main", Resource: ResourceName, IDs: ids(1, 0, 30)},
+		{Namespace: "ns", Pod: "whole2", Container: "main", Resource: ResourceName, IDs: append(ids(0, 0, 100), ids(1, 0, 100)...)},
+		{Namespace: "ns", Pod: "whole2mem", Container: "main", Resource: ResourceName, IDs: append(ids(0, 0, 100), ids(1, 0, 100)...)},
+		{Namespace: "ns", Pod: "badpolicy", Container: "main", Resource: ResourceName, IDs: ids(0, 0, 30)},
+		{Namespace: "ns", Pod: "short", Container: "main", Resource: ResourceName, IDs: ids(0, 0, 29)},
+		{Namespace: "ns", Pod: "split", Container: "main", Resource: ResourceName, IDs: append(ids(0, 0, 15), ids(1, 0, 15)...)},
+		{Namespace: "ns", Pod: "elsewhere", Container: "main", Resource: ResourceName, IDs: ids(0, 0, 30)},
 	}}
 	r := NewResolver("n1", []int{0, 1}, pods, allocs)
 	for _, tc := range []struct {
@@ -170,9 +170,9 @@ func TestPendingMemory(t *testing.T) {
 		done,
 	}}
 	allocs := &fakeAllocs{allocs: []Allocation{
-		{Namespace: "ns", Pod: "a", Container: "main", IDs: ids(0, 0, 30)},
-		{Namespace: "ns", Pod: "w", Container: "main", IDs: ids(1, 0, 100)},
-		{Namespace: "ns", Pod: "gone", Container: "main", IDs: ids(2, 0, 10)},
+		{Namespace: "ns", Pod: "a", Container: "main", Resource: ResourceName, IDs: ids(0, 0, 30)},
+		{Namespace: "ns", Pod: "w", Container: "main", Resource: ResourceName, IDs: ids(1, 0, 100)},
+		{Namespace: "ns", Pod: "gone", Container: "main", Resource: ResourceName, IDs: ids(2, 0, 10)},
 	}}
 	r := NewResolver("n1", []int{0, 1, 2}, pods, allocs)
 	c, err := r.pendingMemory(context.Background(), 30)
@@ -192,7 +192,7 @@ func TestPendingMemory(t *testing.T) {
 func TestPreferredPlansMemory(t *testing.T) {
 	t.Parallel()
 	pods := &fakePods{pods: []corev1.Pod{pod("a", "30", "70000", ""), pod("p", "30", "20000", "")}}
-	allocs := &fakeAllocs{allocs: []Allocation{{Namespace: "ns", Pod: "a", Container: "main", IDs: ids(0, 0, 30)}}}
+	allocs := &fakeAllocs{allocs: []Allocation{{Namespace: "ns", Pod: "a", Container: "main", Resource: ResourceName, IDs: ids(0, 0, 30)}}}
 	cards := newFakeCards(0, 1) // 81920 MiB each, all free as the enforcers see it
 	p, err := New([]int{0, 1}, cards, WithResolver(NewResolver("n1", []int{0, 1}, pods, allocs)), WithLogger(testLogger()))
 	if err != nil {
@@ -217,7 +217,7 @@ func TestPreferredPlansMemory(t *testing.T) {
 func TestAgentSocket(t *testing.T) {
 	t.Parallel()
 	pods := &fakePods{pods: []corev1.Pod{pod("share", "30", "4096", "")}}
-	allocs := &fakeAllocs{allocs: []Allocation{{Namespace: "ns", Pod: "share", Container: "main", IDs: ids(0, 0, 30)}}}
+	allocs := &fakeAllocs{allocs: []Allocation{{Namespace: "ns", Pod: "share", Container: "main", Resource: ResourceName, IDs: ids(0, 0, 30)}}}
 	r := NewResolver("n1", []int{0}, pods, allocs)
 	sock := filepath.Join(t.TempDir(), agentapi.SocketName)
 	ctx, cancel := context.WithCancel(context.Background())

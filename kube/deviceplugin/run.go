@@ -78,7 +78,7 @@ func (p *Plugin) serve() (*grpc.Server, <-chan error, error) {
 	pluginapi.RegisterDevicePluginServer(srv, p)
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()
-	p.log.Info("serving", "socket", path, "resource", ResourceName, "gpus", p.gpus, "placement", p.Policy().String())
+	p.log.Info("serving", "socket", path, "resource", p.scheme.Core, "gpus", p.gpus, "placement", p.Policy().String())
 	return srv, served, nil
 }
 
@@ -101,7 +101,7 @@ func (p *Plugin) session(ctx context.Context, w *fsnotify.Watcher, served <-chan
 				continue
 			}
 			registered = true
-			p.log.Info("registered with the kubelet", "kubelet", p.KubeletSocketPath(), "resource", ResourceName)
+			p.log.Info("registered with the kubelet", "kubelet", p.KubeletSocketPath(), "resource", p.scheme.Core)
 		case err := <-served:
 			p.log.Error("the server stopped; serving again", "err", err)
 			select {
@@ -159,8 +159,8 @@ func (p *Plugin) register(ctx context.Context) error {
 	defer cancel()
 	_, err = pluginapi.NewRegistrationClient(conn).Register(ctx, &pluginapi.RegisterRequest{
 		Version:      pluginapi.Version,
-		Endpoint:     SocketName,
-		ResourceName: ResourceName,
+		Endpoint:     p.scheme.Socket,
+		ResourceName: string(p.scheme.Core),
 		Options:      options(),
 	})
 	return err

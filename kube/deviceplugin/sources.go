@@ -43,8 +43,8 @@ func (a *APIPods) NodePods(ctx context.Context) ([]corev1.Pod, error) {
 	return l.Items, nil
 }
 
-// PodResources reads the kubelet's allocations of mgpu-core through its
-// PodResources API.
+// PodResources reads the kubelet's allocations of the schemes' Core
+// resources through its PodResources API.
 type PodResources struct {
 	socket string
 	conn   *grpc.ClientConn
@@ -80,16 +80,28 @@ func (p *PodResources) Allocations(ctx context.Context) ([]Allocation, error) {
 	var out []Allocation
 	for _, pod := range resp.GetPodResources() {
 		for _, c := range pod.GetContainers() {
-			a := Allocation{Namespace: pod.GetNamespace(), Pod: pod.GetName(), Container: c.GetName()}
+			by := map[corev1.ResourceName][]string{}
 			for _, d := range c.GetDevices() {
-				if d.GetResourceName() == ResourceName {
-					a.IDs = append(a.IDs, d.GetDeviceIds()...)
+				if r := corev1.ResourceName(d.GetResourceName()); isCoreResource(r) {
+					by[r] = append(by[r], d.GetDeviceIds()...)
 				}
 			}
-			if len(a.IDs) > 0 {
-				out = append(out, a)
+			for _, s := range Schemes {
+				if ids := by[s.Core]; len(ids) > 0 {
+					out = append(out, Allocation{Namespace: pod.GetNamespace(), Pod: pod.GetName(), Container: c.GetName(), Resource: s.Core, IDs: ids})
+				}
 			}
 		}
 	}
 	return out, nil
+}
+
+// isCoreResource reports whether r is the Core resource of a scheme.
+func isCoreResource(r corev1.ResourceName) bool {
+	for _, s := range Schemes {
+		if s.Core == r {
+			return true
+		}
+	}
+	return false
 }

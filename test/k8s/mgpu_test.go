@@ -983,4 +983,133 @@ func TestMGPUFixedShareNode(t *testing.T) {
 	g := m.deploy(t, seedDeployment("guaranteed", "guaranteed-burst-share", 30, 4096, saturate(3600)))
 	ev := m.waitEvent(t, g.Name, "FailedScheduling", "no node runs compute policy guaranteed-burst-share", 60*time.Second)
 	t.Logf("guaranteed-burst-share on a fixed-share node: %s", ev.Message)
+	m.deleteDeployment(t, "plain")
+	m.deleteDeployment(t, "guaranteed")
+	t.Run("CoreMem", func(t *testing.T) { testCoreMem(t, m) })
 }
+
+// Keys of ACK's core_mem mode.
+const (
+	ackCoreKey corev1.ResourceName = "aliyun.com/gpu-core.percentage"
+	ackMemKey  corev1.ResourceName = "aliyun.com/gpu-mem"
+	modeLabel                      = "ack.node.gpu.schedule"
+)
+
+// ackDeployment is seed 001's core_mem request: GiB of memory and percent
+// of compute, no policy annotation.
+func ackDeployment(name string, core, gib int, script string) *appsv1.Deployment {
+	d := seedDeployment(name, "", 0, 0, script)
+	res := corev1.ResourceList{
+		ackCoreKey: *resource.NewQuantity(int64(core), resource.DecimalSI),
+		ackMemKey:  *resource.NewQuantity(int64(gib), resource.DecimalSI),
+	}
+	d.Spec.Template.Spec.Containers[0].Resources = corev1.ResourceRequirements{Requests: res, Limits: res}
+	return d
+}
+
+// setMode labels the node with ACK's mode (empty: removes the label) and
+// waits until the agent has logged what it makes of it: the switch
+// ("msg=mode ... to=X") or, with deferred, that the change waits.
+func (m *mgpuNode) setMode(t *testing.T, value string, deferred bool) {
+	t.Helper()
+	patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%q}}}`, modeLabel, value)
+	if value == "" {
+		patch = fmt.Sprintf(`{"metadata":{"labels":{%q:null}}}`, modeLabel)
+		value = "mgpu"
+	}
+	if _, err := m.Client.CoreV1().Nodes().Patch(context.Background(), m.NodeName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	msg, want := "msg=mode ", "to="+value
+	if deferred {
+		msg = `msg="mode change waits`
+	}
+	err := harness.WaitFor(15*time.Second, func() error {
+		data, err := os.ReadFile(m.log)
+		if err != nil {
+			return err
+		}
+		lines := strings.Split(string(data), "\n")
+		for i := len(lines) - 1; i >= 0; i-- {
+			if strings.Contains(lines[i], msg) && strings.Contains(lines[i], want) {
+				return nil
+			}
+		}
+		return fmt.Errorf("the agent has not logged %s %s", msg, want)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitNodeResources waits until the node's allocatable resources are want.
+func (m *mgpuNode) waitNodeResources(t *testing.T, want map[corev1.ResourceName]int64) {
+	t.Helper()
+	err := harness.WaitFor(60*time.Second, func() error {
+		node, err := m.Client.CoreV1().Nodes().Get(context.Background(), m.NodeName, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		for k, v := range want {
+			if q := node.Status.Allocatable[k]; q.Value() != v {
+				return fmt.Errorf("node allocatable %s=%s, want %d", k, q.String(), v)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// testCoreMem is seed 001's core_mem node: labelled ack.node.gpu.schedule=
+// core_mem it offers aliyun.com/gpu-core.percentage and aliyun.com/gpu-mem
+// (GiB) and no mgpu resources; pods of 30 % / 6 GiB and 70 % / 6 GiB share
+// a GPU 30/70; relabelling while they run changes nothing until they are
+// gone.
+func testCoreMem(t *testing.T, m *mgpuNode) {
+	m.setMode(t, "core_mem", false)
+	m.waitNodeResources(t, map[corev1.ResourceName]int64{ackCoreKey: 200, ackMemKey: 2 * gpuMiB / 1024, coreKey: 0, memoryKey: 0})
+	p30 := m.running(t, m.deploy(t, ackDeployment("ack30", 30, 6, saturate(3600))).Name, "start")
+	if log := m.PodLog(t, "default", p30.Name, "main"); !strings.Contains(log, "mem_total=6442450944") {
+		t.Errorf("cuMemGetInfo in the container does not say 6 GiB:\n%s", log)
+	}
+	in30 := m.instanceOf(t, p30)
+	if in30.Core != 30 || in30.MemoryMiB != 6144 || in30.Policy != "fixed-share" {
+		t.Errorf("instance %+v, want core 30, 6144 MiB, fixed-share", in30)
+	}
+	p70 := m.running(t, m.deploy(t, ackDeployment("ack70", 70, 6, saturate(3600))).Name, "start")
+	in70 := m.instanceOf(t, p70)
+	if in70.Device != in30.Device {
+		t.Fatalf("the 30 is on GPU %d and the 70 on GPU %d: binpack puts them on one", in30.Device, in70.Device)
+	}
+	s := m.shares(t, []*corev1.Pod{p30, p70}, 2*time.Second, 5*time.Second)
+	t.Logf("core_mem 30 / 70 both busy: %.2f / %.2f", s[0], s[1])
+	if math.Abs(s[0]-30) > epsilon || math.Abs(s[1]-70) > epsilon {
+		t.Errorf("shares %.2f / %.2f, want 30 / 70 ± %.0f", s[0], s[1], epsilon)
+	}
+	node, err := m.Client.CoreV1().Nodes().Get(context.Background(), m.NodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("node capacity with core_mem: %s=%s %s=%s %s=%s %s=%s", ackCoreKey, qty(node.Status.Capacity[ackCoreKey]), ackMemKey, qty(node.Status.Capacity[ackMemKey]),
+		coreKey, qty(node.Status.Capacity[coreKey]), memoryKey, qty(node.Status.Capacity[memoryKey]))
+
+	// Back to mgpu while the pods run: nothing changes until they are gone.
+	m.setMode(t, "", true)
+	m.waitNodeResources(t, map[corev1.ResourceName]int64{ackCoreKey: 200, ackMemKey: 2 * gpuMiB / 1024, coreKey: 0, memoryKey: 0})
+	for _, was := range []api.Instance{in30, in70} {
+		pod := p30
+		if was.Name == in70.Name {
+			pod = p70
+		}
+		if now := m.instanceOf(t, pod); now.Name != was.Name || now.Device != was.Device || now.Core != was.Core || now.MemoryMiB != was.MemoryMiB {
+			t.Errorf("instance changed with the mode label: %+v, was %+v", now, was)
+		}
+	}
+	m.deleteDeployment(t, "ack30")
+	m.deleteDeployment(t, "ack70")
+	m.waitNodeResources(t, map[corev1.ResourceName]int64{ackCoreKey: 0, ackMemKey: 0, coreKey: 200, memoryKey: 2 * gpuMiB})
+}
+
+func qty(q resource.Quantity) string { return q.String() }

@@ -1,0 +1,207 @@
+package deviceplugin
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+
+	"github.com/mgpu-dev/mgpu/kube/placement"
+)
+
+func TestParseMode(t *testing.T) {
+	t.Parallel()
+	for v, want := range map[string]string{"mgpu": "mgpu", "core_mem": "core_mem"} {
+		s, err := ParseMode(v)
+		if err != nil || s.Mode != want {
+			t.Errorf("ParseMode(%q) = %+v, %v", v, s, err)
+		}
+	}
+	for v, want := range map[string]string{
+		"cgpu":     "ack.node.gpu.schedule=cgpu is not supported by this version of mgpu (it serves mgpu and core_mem)",
+		"topology": "ack.node.gpu.schedule=topology is not supported by this version of mgpu (it serves mgpu and core_mem)",
+		"Core_Mem": `ack.node.gpu.schedule="Core_Mem" is not a mode (mgpu serves mgpu and core_mem)`,
+		"":         `ack.node.gpu.schedule="" is not a mode (mgpu serves mgpu and core_mem)`,
+	} {
+		if _, err := ParseMode(v); err == nil || err.Error() != want {
+			t.Errorf("ParseMode(%q): %v, want %q", v, err, want)
+		}
+	}
+	// GiB per card, rounded down: a card never promises more than it has.
+	if got := SchemeCoreMem.MemoryUnits([]uint64{81920, 23028}); got != 80+22 {
+		t.Errorf("core_mem capacity %d GiB, want 102", got)
+	}
+	if got := SchemeMGPU.MemoryUnits([]uint64{81920, 23028}); got != 104948 {
+		t.Errorf("mgpu capacity %d MiB, want 104948", got)
+	}
+}
+
+// ackPod is a pod of ACK's core_mem resources.
+func ackPod(name, core, gib string) corev1.Pod {
+	p := pod(name, "", "", "")
+	lim := corev1.ResourceList{}
+	if core != "" {
+		lim[SchemeCoreMem.Core] = resource.MustParse(core)
+	}
+	if gib != "" {
+		lim[SchemeCoreMem.Memory] = resource.MustParse(gib)
+	}
+	p.Spec.Containers[0].Resources.Limits = lim
+	return p
+}
+
+func TestCoreMemRequestsAndResolve(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		core, gib string
+		want      ContainerRequest
+		err       string
+	}{
+		{core: "30", gib: "6", want: ContainerRequest{Core: 30, MemoryMiB: 6144}},
+		{core: "200", want: ContainerRequest{Core: 200}},
+		{core: "30", err: "aliyun.com/gpu-core.percentage 30 (a share of one GPU) needs aliyun.com/gpu-mem"},
+		{gib: "6", err: "aliyun.com/gpu-mem needs aliyun.com/gpu-core.percentage"},
+		{core: "30", gib: "1.5", err: "aliyun.com/gpu-mem 1500m is not a whole number of GiB from 1 to 16384"},
+		{core: "30", gib: "16385", err: "aliyun.com/gpu-mem 16385 is not a whole number of GiB from 1 to 16384"},
+	} {
+		p := ackPod("x", tc.core, tc.gib)
+		got, err := SchemeCoreMem.RequestOf(&p.Spec.Containers[0])
+		switch {
+		case tc.err != "" && (err == nil || err.Error() != tc.err):
+			t.Errorf("%s/%s: %v, want %q", tc.core, tc.gib, err, tc.err)
+		case tc.err == "" && (err != nil || got != tc.want):
+			t.Errorf("%s/%s: %+v %v, want %+v", tc.core, tc.gib, got, err, tc.want)
+		}
+	}
+
+	pods := &fakePods{pods: []corev1.Pod{ackPod("ack", "30", "6"), pod("vke", "30", "4096", "")}}
+	allocs := &fakeAllocs{allocs: []Allocation{
+		{Namespace: "ns", Pod: "ack", Container: "main", Resource: SchemeCoreMem.Core, IDs: ids(1, 0, 30)},
+		{Namespace: "ns", Pod: "vke", Container: "main", Resource: ResourceName, IDs: ids(0, 0, 30)},
+	}}
+	r := NewResolver("n1", []int{0, 1}, pods, allocs)
+	r.SetScheme(SchemeCoreMem)
+	a, err := r.Resolve(context.Background(), query("ack"))
+	if err != nil || len(a.GPUs) != 1 || a.GPUs[0].Index != 1 || a.GPUs[0].Core != 30 || a.GPUs[0].MemoryMiB != 6144 || a.Policy != "fixed-share" {
+		t.Fatalf("core_mem pod: %+v %v", a, err)
+	}
+	// Under core_mem a pod of the mgpu resources has no quota.
+	if _, err := r.Resolve(context.Background(), query("vke")); err == nil || !strings.Contains(err.Error(), "requests no aliyun.com/gpu-core.percentage (the node's ack.node.gpu.schedule is core_mem)") {
+		t.Fatalf("mgpu pod under core_mem: %v", err)
+	}
+}
+
+func TestInactivePluginListsNothing(t *testing.T) {
+	t.Parallel()
+	p, err := New([]int{0}, newFakeCards(0), WithScheme(SchemeCoreMem), WithActive(false), WithLogger(testLogger()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	devs, changed := p.devices()
+	if len(devs) != 0 {
+		t.Fatalf("inactive: %d devices", len(devs))
+	}
+	_, err = p.Allocate(context.Background(), &pluginapi.AllocateRequest{ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: ids(0, 0, 30)}}})
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "aliyun.com/gpu-core.percentage is not served on this node now") {
+		t.Fatalf("allocate while inactive: %v", err)
+	}
+	p.SetActive(true)
+	select {
+	case <-changed:
+	default:
+		t.Fatal("activation did not wake ListAndWatch")
+	}
+	if devs, _ := p.devices(); len(devs) != IDsPerGPU {
+		t.Fatalf("active: %d devices", len(devs))
+	}
+	if p.SocketPath() != DefaultDir+"mgpu-ack-core.sock" {
+		t.Fatalf("socket %s", p.SocketPath())
+	}
+}
+
+// The node's mode follows its label, the other mode's resources are 0, and
+// a change waits until no container holds the current mode's device IDs.
+func TestNodeModes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}})
+	var plugins []*Plugin
+	for _, s := range Schemes {
+		p, err := New([]int{0, 1}, newFakeCards(0, 1), WithScheme(s), WithLogger(testLogger()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		plugins = append(plugins, p)
+	}
+	r := NewResolver("n1", []int{0, 1}, &fakePods{}, &fakeAllocs{})
+	allocs := &fakeAllocs{}
+	n := NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs)
+
+	check := func(when, mode string, mgpuMem, gpuMem string) {
+		t.Helper()
+		if err := n.Publish(ctx); err != nil {
+			t.Fatalf("%s: %v", when, err)
+		}
+		node, err := client.CoreV1().Nodes().Get(ctx, "n1", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n.Current().Mode != mode || r.Scheme().Mode != mode {
+			t.Fatalf("%s: mode %s, resolver %s, want %s", when, n.Current().Mode, r.Scheme().Mode, mode)
+		}
+		for _, p := range plugins {
+			if p.Active() != (p.Scheme().Mode == mode) {
+				t.Fatalf("%s: plugin of %s active=%v", when, p.Scheme().Mode, p.Active())
+			}
+		}
+		for res, want := range map[corev1.ResourceName]string{MemoryResourceName: mgpuMem, SchemeCoreMem.Memory: gpuMem} {
+			if q := node.Status.Capacity[res]; q.String() != want {
+				t.Fatalf("%s: capacity %s = %s, want %s", when, res, q.String(), want)
+			}
+		}
+	}
+	setLabel := func(v string) {
+		node, err := client.CoreV1().Nodes().Get(ctx, "n1", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if node.Labels == nil {
+			node.Labels = map[string]string{}
+		}
+		if v == "" {
+			delete(node.Labels, ModeLabel)
+		} else {
+			node.Labels[ModeLabel] = v
+		}
+		if _, err := client.CoreV1().Nodes().Update(ctx, node, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	check("no label", "mgpu", "163840", "0")
+	setLabel("core_mem")
+	check("core_mem, node empty", "core_mem", "0", "160")
+	// A pod of core_mem runs: a change back waits for it.
+	allocs.allocs = []Allocation{{Namespace: "ns", Pod: "a", Container: "main", Resource: SchemeCoreMem.Core, IDs: ids(0, 0, 30)}}
+	setLabel("mgpu")
+	check("mgpu while a core_mem pod runs", "core_mem", "0", "160")
+	setLabel("cgpu")
+	check("an unsupported mode", "core_mem", "0", "160")
+	setLabel("")
+	check("label removed while the pod runs", "core_mem", "0", "160")
+	allocs.allocs = nil
+	check("label removed, node empty", "mgpu", "163840", "0")
+
+	// An agent that starts on a node whose containers hold core_mem IDs
+	// serves core_mem whatever the label says.
+	allocs.allocs = []Allocation{{Namespace: "ns", Pod: "a", Container: "main", Resource: SchemeCoreMem.Core, IDs: ids(0, 0, 30)}}
+	n = NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs)
+	check("restart with a core_mem pod", "core_mem", "0", "160")
+}
