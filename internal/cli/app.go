@@ -56,7 +56,12 @@ func App(stdout, stderr io.Writer) *cli.App {
 
 // Main runs mgpu-cli with args and returns the process exit status.
 func Main(args []string, stdout, stderr io.Writer) int {
-	err := App(stdout, stderr).Run(args)
+	return exitCode(App(stdout, stderr).Run(args), stderr)
+}
+
+// exitCode writes err, what an application's Run returned, to stderr and
+// returns the process exit status.
+func exitCode(err error, stderr io.Writer) int {
 	if err == nil {
 		return 0
 	}

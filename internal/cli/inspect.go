@@ -8,10 +8,13 @@ import (
 	"io"
 	"net"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"text/tabwriter"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/urfave/cli/v2"
 
@@ -19,6 +22,7 @@ import (
 	"github.com/mgpu-dev/mgpu/internal/config"
 	"github.com/mgpu-dev/mgpu/internal/device"
 	"github.com/mgpu-dev/mgpu/internal/metrics"
+	"github.com/mgpu-dev/mgpu/kube/allocview"
 )
 
 // sourceOf returns the enforcer of device index (what inspect and top read
@@ -34,12 +38,12 @@ func enforcerSources(cfg *config.Config, devs []device.Info) []metrics.Source {
 	return srcs
 }
 
-// deviceSample is what one device's enforcer answered at one moment. Err is
-// set when it did not answer; the answers are then empty.
+// deviceSample is what one device's enforcer answered at one moment: its
+// device answer (allocview's reading, Err set when it did not answer) and,
+// when asked for, its instances and their statistics (empty when Err is
+// set).
 type deviceSample struct {
-	Info      device.Info
-	Err       error
-	Device    api.DeviceResponse
+	allocview.Reading
 	Instances []api.Instance
 	Stats     []api.InstanceStats
 }
@@ -85,15 +89,12 @@ func sampleNode(ctx context.Context, devs []device.Info, srcs []metrics.Source, 
 func sampleDevice(ctx context.Context, d device.Info, src metrics.Source, instances bool) deviceSample {
 	ctx, cancel := context.WithTimeout(ctx, controlTimeout)
 	defer cancel()
-	s := deviceSample{Info: d}
-	fail := func(err error) deviceSample { return deviceSample{Info: d, Err: err} }
-	var err error
-	if s.Device, err = src.Device(ctx); err != nil {
-		return fail(err)
-	}
-	if !instances {
+	s := deviceSample{Reading: allocview.ReadDevice(ctx, d, src)}
+	if s.Err != nil || !instances {
 		return s
 	}
+	fail := func(err error) deviceSample { return deviceSample{Reading: allocview.Reading{Info: d, Err: err}} }
+	var err error
 	if s.Instances, err = src.List(ctx); err != nil {
 		return fail(err)
 	}
@@ -107,7 +108,9 @@ func sampleDevice(ctx context.Context, d device.Info, src metrics.Source, instan
 // shows as 1, and allocated never exceeds total since both round alike.
 func gib(mib uint64) uint64 { return (mib + 1023) / 1024 }
 
-// inspectGPU is one GPU of `mgpu-cli inspect --output json`.
+// inspectGPU is one GPU of `mgpu-cli inspect --output json`: allocview's
+// GPU (the node agent publishes the same fields) and, when its enforcer did
+// not answer, why.
 type inspectGPU struct {
 	Index        int    `json:"index"`
 	UUID         string `json:"uuid"`
@@ -118,7 +121,11 @@ type inspectGPU struct {
 	Error        string `json:"error,omitempty"` // why running is false
 }
 
-// inspectReport is the node's allocation table (`mgpu-cli inspect`).
+func newInspectGPU(g allocview.GPU) inspectGPU {
+	return inspectGPU{Index: g.Index, UUID: g.UUID, AllocatedMiB: g.AllocatedMiB, TotalMiB: g.TotalMiB, Instances: g.Instances, Running: g.Running}
+}
+
+// inspectReport is a node's allocation table (`mgpu-cli inspect`).
 type inspectReport struct {
 	Node         string       `json:"node"`
 	IP           string       `json:"ip"`
@@ -127,17 +134,25 @@ type inspectReport struct {
 	TotalMiB     uint64       `json:"total_mib"`     // of every GPU
 }
 
+// newInspectReport is the report of the local node's sample s: each
+// device's allocview GPU, and the problem of those whose enforcer did not
+// answer.
 func newInspectReport(node, ip string, s nodeSample) inspectReport {
-	r := inspectReport{Node: node, IP: ip, GPUs: []inspectGPU{}}
+	gpus := make([]inspectGPU, 0, len(s.Devices))
 	for _, d := range s.Devices {
-		g := inspectGPU{Index: d.Info.Index, UUID: d.Info.UUID, TotalMiB: d.Info.MemoryMiB(), Running: d.Running()}
-		if d.Running() {
-			g.AllocatedMiB = d.Device.MemoryAllocatedMiB
-			g.Instances = d.Device.Instances
-		} else {
+		g := newInspectGPU(d.GPU())
+		if !d.Running() {
 			g.Error = d.Problem()
 		}
-		r.GPUs = append(r.GPUs, g)
+		gpus = append(gpus, g)
+	}
+	return sumReport(node, ip, gpus)
+}
+
+// sumReport is the report of gpus with their sums.
+func sumReport(node, ip string, gpus []inspectGPU) inspectReport {
+	r := inspectReport{Node: node, IP: ip, GPUs: gpus}
+	for _, g := range gpus {
 		r.AllocatedMiB += g.AllocatedMiB
 		r.TotalMiB += g.TotalMiB
 	}
@@ -145,34 +160,64 @@ func newInspectReport(node, ip string, s nodeSample) inspectReport {
 }
 
 // writeInspect writes the report in the form of ACK's `kubectl inspect
-// cgpu`. The node's column and the summary add up the GPU columns as shown
-// (GiB rounded up); the percentage is rounded down.
+// cgpu`.
 func writeInspect(w io.Writer, r inspectReport) error {
+	return writeInspectTable(w, []inspectReport{r})
+}
+
+// writeInspectTable writes one row per report, in their order, in the form
+// of ACK's `kubectl inspect cgpu`. The GPU columns are those of every index
+// any report has, in order; a row without that GPU leaves its cell empty.
+// A row's memory column and the summary add up the GPU cells as shown (GiB
+// rounded up); the percentage is rounded down.
+func writeInspectTable(w io.Writer, rs []inspectReport) error {
+	var indexes []int
+	for _, r := range rs {
+		for _, g := range r.GPUs {
+			if !slices.Contains(indexes, g.Index) {
+				indexes = append(indexes, g.Index)
+			}
+		}
+	}
+	slices.Sort(indexes)
 	var table bytes.Buffer
 	tw := tabwriter.NewWriter(&table, 0, 0, 2, ' ', 0)
 	head := []string{"NAME", "IPADDRESS"}
-	row := []string{r.Node, r.IP}
-	var alloc, total uint64
-	for _, g := range r.GPUs {
-		head = append(head, fmt.Sprintf("GPU%d(Allocated/Total)", g.Index))
-		a := "-"
-		if g.Running {
-			a = fmt.Sprint(gib(g.AllocatedMiB))
-			alloc += gib(g.AllocatedMiB)
-		}
-		total += gib(g.TotalMiB)
-		row = append(row, fmt.Sprintf("%s/%d", a, gib(g.TotalMiB)))
+	for _, i := range indexes {
+		head = append(head, fmt.Sprintf("GPU%d(Allocated/Total)", i))
 	}
 	head = append(head, "GPU Memory(GiB)")
-	row = append(row, fmt.Sprintf("%d/%d", alloc, total))
 	fmt.Fprintln(tw, strings.Join(head, "\t"))
-	fmt.Fprintln(tw, strings.Join(row, "\t"))
+	var alloc, total uint64
+	for _, r := range rs {
+		row := []string{cell(r.Node), cell(r.IP)}
+		var nodeAlloc, nodeTotal uint64
+		for _, i := range indexes {
+			k := slices.IndexFunc(r.GPUs, func(g inspectGPU) bool { return g.Index == i })
+			if k < 0 {
+				row = append(row, "")
+				continue
+			}
+			g := r.GPUs[k]
+			a := "-"
+			if g.Running {
+				a = fmt.Sprint(gib(g.AllocatedMiB))
+				nodeAlloc += gib(g.AllocatedMiB)
+			}
+			nodeTotal += gib(g.TotalMiB)
+			row = append(row, fmt.Sprintf("%s/%d", a, gib(g.TotalMiB)))
+		}
+		row = append(row, fmt.Sprintf("%d/%d", nodeAlloc, nodeTotal))
+		fmt.Fprintln(tw, strings.Join(row, "\t"))
+		alloc += nodeAlloc
+		total += nodeTotal
+	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
 	width := 0
 	for _, l := range strings.Split(table.String(), "\n") {
-		width = max(width, len(l))
+		width = max(width, utf8.RuneCountInString(l))
 	}
 	var percent uint64
 	if total > 0 {
@@ -181,6 +226,20 @@ func writeInspect(w io.Writer, r inspectReport) error {
 	fmt.Fprintf(&table, "%s\nAllocated/Total GPU Memory In Cluster:\n%d/%d (%d%%)\n", strings.Repeat("-", width), alloc, total, percent)
 	_, err := w.Write(table.Bytes())
 	return err
+}
+
+// cell is s as one table cell: "-" when empty, characters that are not
+// printable or are spaces as "?", so that a name cannot break the table.
+func cell(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return strings.Map(func(r rune) rune {
+		if !unicode.IsPrint(r) || unicode.IsSpace(r) {
+			return '?'
+		}
+		return r
+	}, s)
 }
 
 // firstIPv4 returns the first IPv4 address, not loopback, of an interface
@@ -210,6 +269,19 @@ func firstIPv4() string {
 }
 
 func inspect(c *cli.Context) error {
+	if c.Bool("cluster") {
+		for _, f := range []string{"node-name", "ip"} {
+			if c.IsSet(f) {
+				return usagef("--%s is the local node's; --cluster shows the nodes the API server lists", f)
+			}
+		}
+		return inspectCluster(c)
+	}
+	for _, f := range []string{"kubeconfig", "node"} {
+		if c.IsSet(f) {
+			return usagef("--%s needs --cluster", f)
+		}
+	}
 	format, err := outputFormat(c)
 	if err != nil {
 		return err
@@ -255,17 +327,20 @@ func usageOnError(_ *cli.Context, err error, _ bool) error { return usageError{e
 
 func init() {
 	commands = append(commands, &cli.Command{
-		Name:      "inspect",
-		Usage:     "print the node's GPU memory allocation (ACK's kubectl inspect cgpu)",
-		UsageText: "mgpu-cli inspect [--output table|json] [--node-name NAME] [--ip ADDRESS]",
+		Name:  "inspect",
+		Usage: "print the GPU memory allocation of the node, or of the cluster's nodes (ACK's kubectl inspect cgpu)",
+		UsageText: "mgpu-cli inspect [--output table|json] [--node-name NAME] [--ip ADDRESS]\n" +
+			"mgpu-cli inspect --cluster [--output table|json] [--node NAME] [--kubeconfig FILE]",
 		Description: "One row: the node's name and IPv4 address, then per GPU the memory allocated to\n" +
 			"instances' quotas over the GPU's memory, in GiB rounded up, and the node's sums.\n" +
-			"A GPU whose enforcer is not running shows -/TOTAL. docs/cli.md explains every column.",
-		Flags: []cli.Flag{
+			"A GPU whose enforcer is not running shows -/TOTAL. docs/cli.md explains every column.\n\n" +
+			"With --cluster (the same as kubectl inspect mgpu):\n" + kubectlDescription,
+		Flags: append([]cli.Flag{
 			outputFlag,
 			&cli.StringFlag{Name: "node-name", Usage: "the `NAME` to show (default: the host name)"},
 			&cli.StringFlag{Name: "ip", Usage: "the `ADDRESS` to show (default: the first IPv4 address of an interface that is up)"},
-		},
+			&cli.BoolFlag{Name: "cluster", Usage: "show every node of the cluster, as its node agent published it on the API server"},
+		}, clusterFlags...),
 		OnUsageError: usageOnError,
 		Action:       inspect,
 	})

@@ -18,6 +18,7 @@ import (
 	"github.com/mgpu-dev/mgpu/internal/device"
 	"github.com/mgpu-dev/mgpu/internal/logging"
 	"github.com/mgpu-dev/mgpu/kube/agentapi"
+	"github.com/mgpu-dev/mgpu/kube/allocview"
 	"github.com/mgpu-dev/mgpu/kube/kubeclient"
 	"github.com/mgpu-dev/mgpu/kube/placement"
 )
@@ -190,7 +191,8 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	var wg sync.WaitGroup
 	agentErr := make(chan error, 1)
 	wg.Go(func() { agentErr <- ServeAgent(ctx, agentapi.Socket(cfg.RunDir), resolver, log) })
-	pub := NewNodePublisher(client, node, want, gpuMiB, plugins, pol, log).WithModes(defMode, resolver, allocs)
+	pub := NewNodePublisher(client, node, want, gpuMiB, plugins, pol, log).WithModes(defMode, resolver, allocs).
+		WithAllocation(func(ctx context.Context) allocview.Node { return allocview.Collect(ctx, cfg, devs) })
 	wg.Go(func() { pub.Run(ctx, *nodeInterval) })
 	runErr := make(chan error, len(plugins))
 	for _, p := range plugins {

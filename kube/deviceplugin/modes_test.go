@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -13,6 +14,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/mgpu-dev/mgpu/kube/allocview"
 	"github.com/mgpu-dev/mgpu/kube/placement"
 )
 
@@ -204,4 +206,60 @@ func TestNodeModes(t *testing.T) {
 	allocs.allocs = []Allocation{{Namespace: "ns", Pod: "a", Container: "main", Resource: SchemeCoreMem.Core, IDs: ids(0, 0, 30)}}
 	n = NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs)
 	check("restart with a core_mem pod", "core_mem", "0", "160")
+}
+
+// The node's allocation annotation is written when the enforcers' view
+// differs from it or it is older than allocRefresh, and not otherwise.
+func TestNodeAllocationAnnotation(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}})
+	p, err := New([]int{0, 1}, newFakeCards(0, 1), WithLogger(testLogger()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	at := time.Date(2026, 12, 5, 1, 0, 0, 0, time.UTC)
+	view := allocview.Node{GPUs: []allocview.GPU{
+		{Index: 0, AllocatedMiB: 6144, TotalMiB: 81920, Instances: 1, Running: true},
+		{Index: 1, TotalMiB: 81920, Running: true},
+	}}
+	n := NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, []*Plugin{p}, placement.Binpack, testLogger()).
+		WithAllocation(func(context.Context) allocview.Node { v := view; v.Updated = at; return v })
+	published := func() (allocview.Node, int) {
+		t.Helper()
+		client.ClearActions()
+		if err := n.Publish(ctx); err != nil {
+			t.Fatal(err)
+		}
+		patches := 0
+		for _, a := range client.Actions() {
+			if a.GetVerb() == "patch" && a.GetSubresource() == "" {
+				patches++
+			}
+		}
+		node, err := client.CoreV1().Nodes().Get(ctx, "n1", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := allocview.Decode(node.Annotations[allocview.Annotation])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got, patches
+	}
+	if got, k := published(); k != 1 || got.GPUs[0].AllocatedMiB != 6144 || !got.Updated.Equal(at) {
+		t.Fatalf("first publish: %d patches, %+v", k, got)
+	}
+	at = at.Add(30 * time.Second)
+	if _, k := published(); k != 0 {
+		t.Fatalf("nothing changed, 30 s later: %d patches", k)
+	}
+	view.GPUs[1].AllocatedMiB, view.GPUs[1].Instances = 1024, 1
+	if got, k := published(); k != 1 || got.GPUs[1].AllocatedMiB != 1024 {
+		t.Fatalf("an allocation changed: %d patches, %+v", k, got)
+	}
+	at = at.Add(allocRefresh)
+	if got, k := published(); k != 1 || !got.Updated.Equal(at) {
+		t.Fatalf("after allocRefresh: %d patches, updated %v", k, got.Updated)
+	}
 }

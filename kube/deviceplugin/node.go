@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/mgpu-dev/mgpu/kube/allocview"
 	"github.com/mgpu-dev/mgpu/kube/placement"
 )
 
@@ -53,6 +54,23 @@ type NodePublisher struct {
 	current    *Scheme // nil until the first publish decides
 	deferred   string  // the mode whose change was last said to wait
 	refused    string  // the label value last said to be unsupported
+
+	collect func(context.Context) allocview.Node // nil: no allocation annotation
+}
+
+// allocRefresh is the age after which the allocation annotation is written
+// again even when nothing changed, so that readers can tell a live agent
+// from a stale annotation (mgpu-cli inspect --cluster notes one older than
+// 5 minutes).
+const allocRefresh = time.Minute
+
+// WithAllocation makes the publisher keep the node's annotation
+// allocview.Annotation: what collect reads of the node's enforcers, written
+// when it differs from the annotation's, or when that is older than
+// allocRefresh.
+func (n *NodePublisher) WithAllocation(collect func(context.Context) allocview.Node) *NodePublisher {
+	n.collect = collect
+	return n
 }
 
 // NewNodePublisher returns the publisher of node: labels to set, the
@@ -153,6 +171,27 @@ func (n *NodePublisher) Publish(ctx context.Context) error {
 		}
 		n.log.Info("node capacity set", "node", n.node, "capacity", capacity)
 	}
+	return n.publishAllocation(ctx, node.Annotations[allocview.Annotation])
+}
+
+// publishAllocation writes the allocation annotation when it is needed.
+func (n *NodePublisher) publishAllocation(ctx context.Context, old string) error {
+	if n.collect == nil {
+		return nil
+	}
+	view := n.collect(ctx)
+	if was, err := allocview.Decode(old); err == nil && slices.Equal(was.GPUs, view.GPUs) && view.Updated.Sub(was.Updated) < allocRefresh {
+		return nil
+	}
+	enc, err := allocview.Encode(view)
+	if err != nil {
+		return fmt.Errorf("node %s: allocation: %w", n.node, err)
+	}
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{allocview.Annotation: enc}}})
+	if _, err := n.client.CoreV1().Nodes().Patch(ctx, n.node, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		return fmt.Errorf("node %s: annotation %s: %w", n.node, allocview.Annotation, err)
+	}
+	n.log.Debug("allocation published", "node", n.node, "gpus", len(view.GPUs))
 	return nil
 }
 

@@ -1,45 +1,22 @@
-// Package kubeclient finds the API server the way mgpu's Kubernetes
-// components do: a kubeconfig flag, else $KUBECONFIG, else the pod's
-// service account.
+// Package kubeclient is the clientset of mgpu's Kubernetes components, on
+// the API server package kubeconfig finds.
 package kubeclient
 
 import (
-	"errors"
 	"fmt"
-	"os"
 
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/mgpu-dev/mgpu/kube/kubeconfig"
 )
 
 // ErrNone is returned (wrapped) when there is no kubeconfig and the process
 // does not run in a pod.
-var ErrNone = errors.New("no API server: set --kubeconfig FILE or $KUBECONFIG, or run in a pod with a service account")
+var ErrNone = kubeconfig.ErrNone
 
-// Config is the API server's configuration: path, else $KUBECONFIG, else
-// in-cluster.
-func Config(path string) (*rest.Config, error) {
-	if path == "" {
-		path = os.Getenv("KUBECONFIG")
-	}
-	if path != "" {
-		c, err := clientcmd.BuildConfigFromFlags("", path)
-		if err != nil {
-			return nil, fmt.Errorf("kubeconfig %s: %w", path, err)
-		}
-		return c, nil
-	}
-	c, err := rest.InClusterConfig()
-	if err != nil {
-		return nil, fmt.Errorf("%w (%w)", ErrNone, err)
-	}
-	return c, nil
-}
-
-// Client is a clientset of Config(path).
+// Client is a clientset of kubeconfig.Config(path).
 func Client(path string) (kubernetes.Interface, error) {
-	c, err := Config(path)
+	c, err := kubeconfig.Config(path)
 	if err != nil {
 		return nil, err
 	}

@@ -11,18 +11,18 @@ build=${1:?usage: stage.sh BUILD STAGE}
 stage=${2:?usage: stage.sh BUILD STAGE}
 
 missing=
-for f in bin/mgpu-cli bin/mgpu-device-plugin bin/mgpu-enforcer bin/mgpu-hook lib/libmgpu-shim.so; do
+for f in bin/mgpu-cli bin/kubectl-inspect-mgpu bin/mgpu-device-plugin bin/mgpu-enforcer bin/mgpu-hook lib/libmgpu-shim.so; do
 	[ -f "$build/$f" ] || missing="$missing $build/$f"
 done
 if [ -n "$missing" ]; then
 	echo "make package: missing build output:$missing" >&2
-	echo "make package: every packaged binary must build first (cmd/mgpu-cli, cmd/mgpu-device-plugin, cmd/mgpu-enforcer, cmd/mgpu-hook, enforcer/shim); see make build" >&2
+	echo "make package: every packaged binary must build first (cmd/mgpu-cli, cmd/kubectl-inspect-mgpu, cmd/mgpu-device-plugin, cmd/mgpu-enforcer, cmd/mgpu-hook, enforcer/shim); see make build" >&2
 	exit 1
 fi
 
 rm -rf "$stage"
 mkdir -p "$stage/bin" "$stage/lib" "$stage/examples" "$stage/doc/docs"
-for f in mgpu-cli mgpu-device-plugin mgpu-enforcer mgpu-hook; do
+for f in mgpu-cli kubectl-inspect-mgpu mgpu-device-plugin mgpu-enforcer mgpu-hook; do
 	cp "$build/bin/$f" "$stage/bin/"
 done
 cp "$build/lib/libmgpu-shim.so" "$stage/lib/"

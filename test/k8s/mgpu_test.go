@@ -3,6 +3,7 @@ package k8s
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -755,6 +756,71 @@ func testPlacement(t *testing.T, m *mgpuNode) {
 	if d := gpuOf("spread-d", 30); d != 1 {
 		t.Errorf("spread: GPU %d, want 1 (GPU 0 has 60%% free, GPU 1 80%%)", d)
 	}
+	// Two pods of 1024 MiB on each GPU: the cluster view (the agent's
+	// annotation, read from the API server) is the node's own.
+	m.checkClusterInspect(t, []uint64{2048, 2048})
+}
+
+// inspectGPUs are the GPUs of mgpu-cli inspect's JSON, local or cluster.
+type inspectGPUs []struct {
+	Index        int    `json:"index"`
+	AllocatedMiB uint64 `json:"allocated_mib"`
+	TotalMiB     uint64 `json:"total_mib"`
+	Instances    int    `json:"instances"`
+	Running      bool   `json:"running"`
+}
+
+// checkClusterInspect waits until `mgpu-cli inspect --cluster` (as the
+// admin) shows the node's GPUs as the local `mgpu-cli inspect` does, with
+// allocated MiB per GPU want, and logs both tables.
+func (m *mgpuNode) checkClusterInspect(t *testing.T, want []uint64) {
+	t.Helper()
+	cli := func(args ...string) (string, error) {
+		out, err := exec.Command(m.n.CLI, args...).Output() //nolint:gosec // the build's CLI
+		return string(out), err
+	}
+	var local, cluster string
+	err := harness.WaitFor(20*time.Second, func() error {
+		var err error
+		if local, err = cli("--config", m.n.ConfigPath, "inspect", "--output", "json", "--node-name", m.NodeName); err != nil {
+			return fmt.Errorf("inspect: %w", err)
+		}
+		if cluster, err = cli("inspect", "--cluster", "--kubeconfig", m.AdminKubeconfig, "--output", "json"); err != nil {
+			return fmt.Errorf("inspect --cluster: %w", err)
+		}
+		var l struct {
+			GPUs inspectGPUs `json:"gpus"`
+		}
+		var c struct {
+			Nodes []struct {
+				Node string      `json:"node"`
+				GPUs inspectGPUs `json:"gpus"`
+			} `json:"nodes"`
+		}
+		if err := json.Unmarshal([]byte(local), &l); err != nil {
+			return err
+		}
+		if err := json.Unmarshal([]byte(cluster), &c); err != nil {
+			return err
+		}
+		if len(c.Nodes) != 1 || c.Nodes[0].Node != m.NodeName || !slices.Equal(c.Nodes[0].GPUs, l.GPUs) {
+			return fmt.Errorf("cluster view %s, node's %s", cluster, local)
+		}
+		for i, g := range l.GPUs {
+			if i >= len(want) || g.AllocatedMiB != want[i] {
+				return fmt.Errorf("node's view %s, want allocated %v MiB", local, want)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	table, err := cli("inspect", "--cluster", "--kubeconfig", m.AdminKubeconfig)
+	if err != nil {
+		t.Fatalf("inspect --cluster: %v", err)
+	}
+	t.Logf("mgpu-cli inspect --cluster:\n%s", table)
 }
 
 // setPlacement labels the node (empty: removes the label) and waits until
@@ -1083,6 +1149,9 @@ func testCoreMem(t *testing.T, m *mgpuNode) {
 	if in70.Device != in30.Device {
 		t.Fatalf("the 30 is on GPU %d and the 70 on GPU %d: binpack puts them on one", in30.Device, in70.Device)
 	}
+	want := []uint64{0, 0}
+	want[in30.Device] = 2 * 6144
+	m.checkClusterInspect(t, want)
 	s := m.shares(t, []*corev1.Pod{p30, p70}, 2*time.Second, 5*time.Second)
 	t.Logf("core_mem 30 / 70 both busy: %.2f / %.2f", s[0], s[1])
 	if math.Abs(s[0]-30) > epsilon || math.Abs(s[1]-70) > epsilon {

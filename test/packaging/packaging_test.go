@@ -131,6 +131,7 @@ func expectedFiles(t *testing.T) map[string]os.FileMode {
 	t.Helper()
 	files := map[string]os.FileMode{
 		"/usr/bin/mgpu-cli":                                   0o755,
+		"/usr/bin/kubectl-inspect-mgpu":                       0o755,
 		"/usr/bin/mgpu-device-plugin":                         0o755,
 		"/usr/bin/mgpu-enforcer":                              0o755,
 		"/usr/bin/mgpu-hook":                                  0o755,
@@ -403,7 +404,7 @@ type node struct {
 // packagePaths are what the package installs or creates; a machine where
 // one exists already is not touched.
 var packagePaths = []string{
-	"/usr/bin/mgpu-cli", "/usr/bin/mgpu-enforcer", "/usr/bin/mgpu-hook", "/usr/bin/mgpu-device-plugin",
+	"/usr/bin/mgpu-cli", "/usr/bin/kubectl-inspect-mgpu", "/usr/bin/mgpu-enforcer", "/usr/bin/mgpu-hook", "/usr/bin/mgpu-device-plugin",
 	"/usr/lib/mgpu", "/usr/libexec/mgpu", "/etc/mgpu", "/var/lib/mgpu", "/run/mgpu",
 	"/usr/lib/systemd/system/mgpu-enforcer@.service", "/usr/lib/systemd/system/mgpu-device-plugin.service",
 }
@@ -659,7 +660,7 @@ memory_mib = 16384
 
 	// 2. Remove: binaries and units go, the edited configuration stays.
 	run(t, "dpkg", "-r", "mgpu")
-	for _, f := range []string{"/usr/bin/mgpu-cli", "/usr/bin/mgpu-enforcer", "/usr/bin/mgpu-hook", "/usr/bin/mgpu-device-plugin",
+	for _, f := range []string{"/usr/bin/mgpu-cli", "/usr/bin/kubectl-inspect-mgpu", "/usr/bin/mgpu-enforcer", "/usr/bin/mgpu-hook", "/usr/bin/mgpu-device-plugin",
 		"/usr/lib/mgpu/libmgpu-shim.so", "/usr/lib/systemd/system/mgpu-enforcer@.service", "/usr/lib/systemd/system/mgpu-cdi-refresh.path",
 		"/usr/lib/systemd/system/mgpu-device-plugin.service", "/usr/lib/systemd/system/mgpu-metrics.service"} {
 		if exists(f) {
