@@ -390,7 +390,7 @@ func (e *Enforcer) admitLocked(req api.CreateRequest, id identity, pfd int) (*in
 // memory, policy.
 func (e *Enforcer) checkQuotasLocked(req api.CreateRequest) error {
 	who := noun(req.Kind)
-	if req.UUID != "" && req.UUID != e.dev.UUID {
+	if req.UUID != "" && e.dev.UUID != "" && req.UUID != e.dev.UUID {
 		return refusef("device %d is %s, not %s; regenerate the CDI spec (mgpu-cli cdi generate)", e.index, e.dev.UUID, req.UUID)
 	}
 	if req.Core < 1 || req.Core > 100 {

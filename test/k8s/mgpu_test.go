@@ -748,6 +748,8 @@ func testPlacement(t *testing.T, m *mgpuNode) {
 	if a, b := gpuOf("bin-a", 20), gpuOf("bin-b", 20); a != 0 || b != 0 {
 		t.Errorf("binpack: GPUs %d and %d, want 0 and 0", a, b)
 	}
+	// Seed 001's binpack pattern: GPU 0 is filled first.
+	m.checkClusterInspect(t, []uint64{2048, 0})
 	m.setPlacement(t, "spread")
 	defer m.setPlacement(t, "")
 	if c := gpuOf("spread-c", 20); c != 1 {
@@ -756,8 +758,9 @@ func testPlacement(t *testing.T, m *mgpuNode) {
 	if d := gpuOf("spread-d", 30); d != 1 {
 		t.Errorf("spread: GPU %d, want 1 (GPU 0 has 60%% free, GPU 1 80%%)", d)
 	}
-	// Two pods of 1024 MiB on each GPU: the cluster view (the agent's
-	// annotation, read from the API server) is the node's own.
+	// Spread evens it out: two pods of 1024 MiB on each GPU. The cluster
+	// view (the agent's annotation, read from the API server) is the
+	// node's own.
 	m.checkClusterInspect(t, []uint64{2048, 2048})
 }
 
