@@ -841,25 +841,7 @@ func (m *mgpuNode) setPlacement(t *testing.T, value string) {
 	if value == "" {
 		want = "policy=binpack"
 	}
-	err := harness.WaitFor(10*time.Second, func() error {
-		data, err := os.ReadFile(m.log)
-		if err != nil {
-			return err
-		}
-		lines := strings.Split(string(data), "\n")
-		for i := len(lines) - 1; i >= 0; i-- {
-			if strings.Contains(lines[i], `msg=placement`) {
-				if strings.Contains(lines[i], want) {
-					return nil
-				}
-				break
-			}
-		}
-		return fmt.Errorf("the plugin has not logged placement %s", want)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m.waitLogged(t, 10*time.Second, "msg=placement", want)
 }
 
 func (m *mgpuNode) deleteAll(t *testing.T, selector string) {
@@ -1093,18 +1075,27 @@ func (m *mgpuNode) setMode(t *testing.T, value string, deferred bool) {
 	if deferred {
 		msg = `msg="mode change waits`
 	}
-	err := harness.WaitFor(15*time.Second, func() error {
+	m.waitLogged(t, 15*time.Second, msg, want)
+}
+
+// waitLogged waits until the agent's last log line with msg also has want.
+func (m *mgpuNode) waitLogged(t *testing.T, within time.Duration, msg, want string) {
+	t.Helper()
+	err := harness.WaitFor(within, func() error {
 		data, err := os.ReadFile(m.log)
 		if err != nil {
 			return err
 		}
 		lines := strings.Split(string(data), "\n")
 		for i := len(lines) - 1; i >= 0; i-- {
-			if strings.Contains(lines[i], msg) && strings.Contains(lines[i], want) {
-				return nil
+			if strings.Contains(lines[i], msg) {
+				if strings.Contains(lines[i], want) {
+					return nil
+				}
+				break
 			}
 		}
-		return fmt.Errorf("the agent has not logged %s %s", msg, want)
+		return fmt.Errorf("the agent has not logged %s with %s", msg, want)
 	})
 	if err != nil {
 		t.Fatal(err)
