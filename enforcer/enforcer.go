@@ -113,6 +113,7 @@ type Enforcer struct {
 	statePth string
 	lock     *os.File
 	bootID   string
+	bootTime time.Time // zero when unknown
 	selfNS   uint64
 	selfCgs  []string
 	started  time.Time
@@ -229,6 +230,7 @@ func (e *Enforcer) setup() error {
 		return fmt.Errorf("read own cgroup: %w", err)
 	}
 	e.bootID = readBootID()
+	e.bootTime = readBootTime()
 	if e.w, err = newWatcher(); err != nil {
 		return err
 	}
@@ -426,6 +428,23 @@ func readBootID() string {
 		return ""
 	}
 	return strings.TrimSpace(string(b))
+}
+
+// readBootTime returns when the machine booted (btime of /proc/stat), or
+// the zero time.
+func readBootTime() time.Time {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return time.Time{}
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "btime "); ok {
+			if sec, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64); err == nil && sec > 0 {
+				return time.Unix(sec, 0)
+			}
+		}
+	}
+	return time.Time{}
 }
 
 // kickLoop wakes the arbitration loop.

@@ -378,6 +378,42 @@ func TestReapDeadProcessAndInstance(t *testing.T) {
 	t.Logf("instance released %v after its root died", took)
 }
 
+// A state file cut short by a machine crash (it is written without fsync)
+// is from before the boot: it is moved aside and the device starts empty.
+func TestCorruptStateFromBeforeBootIsSetAside(t *testing.T) {
+	env := newEnv(t, nil)
+	if err := os.MkdirAll(env.cfg.DeviceStateDir(0), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	bad := []byte(`{"version":1,"device":0,"instances":[`)
+	if err := os.WriteFile(env.statePath(), bad, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	boot := readBootTime()
+	if boot.IsZero() {
+		t.Skip("no btime in /proc/stat")
+	}
+	old := boot.Add(-time.Hour)
+	if err := os.Chtimes(env.statePath(), old, old); err != nil {
+		t.Fatal(err)
+	}
+	e, err := New(env.cfg, 0)
+	if err != nil {
+		t.Fatalf("a corrupt state file from before the boot refused the start: %v", err)
+	}
+	defer e.Close()
+	if got, _ := os.ReadFile(env.statePath() + ".before-boot"); string(got) != string(bad) {
+		t.Fatalf("set aside: %q", got)
+	}
+	if len(e.List()) != 0 {
+		t.Fatalf("instances %v", e.List())
+	}
+	st, err := loadState(env.statePath(), 0)
+	if err != nil || st == nil {
+		t.Fatalf("the new state file: %+v %v", st, err)
+	}
+}
+
 func TestCorruptStateRefusesStart(t *testing.T) {
 	env := newEnv(t, nil)
 	if err := os.MkdirAll(env.cfg.DeviceStateDir(0), 0o700); err != nil {

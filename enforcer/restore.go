@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"time"
 
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/enforcer/region"
@@ -20,6 +21,19 @@ import (
 // instances run under until it is empty.
 func (e *Enforcer) restore() error {
 	st, err := loadState(e.statePth, e.index)
+	var ce *CorruptStateError
+	if errors.As(err, &ce) && writtenBefore(e.statePth, e.bootTime) {
+		// The table is written without fsync (save): a machine crash can
+		// leave it cut short, and it then describes processes of a boot
+		// that has ended. Kept aside, never trusted.
+		aside := e.statePth + ".before-boot"
+		if rerr := os.Rename(e.statePth, aside); rerr != nil {
+			return errors.Join(err, rerr)
+		}
+		e.o.log.Warn("the state file was last written before this boot and is unreadable (a crash can leave it so); moved aside, the device starts empty",
+			"path", e.statePth, "aside", aside, "err", ce.Err)
+		st, err = nil, nil
+	}
 	if err != nil {
 		return err
 	}
@@ -56,6 +70,13 @@ func (e *Enforcer) restore() error {
 	}
 	e.restored = true
 	return e.save()
+}
+
+// writtenBefore reports whether path was last modified before t (the boot
+// time; false when either is unknown).
+func writtenBefore(path string, t time.Time) bool {
+	fi, err := os.Stat(path)
+	return err == nil && !t.IsZero() && fi.ModTime().Before(t)
 }
 
 func (e *Enforcer) adopt(si stateInstance, sameBoot bool) error {
@@ -179,7 +200,9 @@ func (e *Enforcer) save() error {
 	if seq <= e.savedAt {
 		return nil
 	}
-	if err := fsutil.WriteFileAtomic(e.statePth, data, 0o600); err != nil {
+	// No fsync: the table describes this boot's processes only, and a file
+	// a crash leaves behind is void at the next start (restore).
+	if err := fsutil.ReplaceFile(e.statePth, data, 0o600); err != nil {
 		return fmt.Errorf("save state: %w", err)
 	}
 	e.savedAt = seq

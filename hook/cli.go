@@ -3,16 +3,15 @@ package hook
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"strings"
 	"time"
 
 	oci "github.com/opencontainers/runtime-spec/specs-go"
-	"github.com/urfave/cli/v2"
 
 	"github.com/mgpu-dev/mgpu/internal/config"
-	"github.com/mgpu-dev/mgpu/internal/version"
 )
 
 // Exit statuses of mgpu-hook.
@@ -25,87 +24,101 @@ const (
 // Main gives up on it, whatever it is blocked in.
 const grace = 500 * time.Millisecond
 
-// App builds the mgpu-hook command line. Options are passed to New (tests).
-func App(stdin io.Reader, stdout, stderr io.Writer, opts ...Option) *cli.App {
-	flags := []cli.Flag{
-		&cli.StringFlag{
-			Name:    "config",
-			Usage:   "node configuration `FILE` (default " + config.DefaultPath + ")",
-			EnvVars: []string{config.EnvPath},
-		},
-		&cli.DurationFlag{
-			Name:  "timeout",
-			Usage: "give up after `DURATION` (the CDI spec gives the hook 10s; rollback adds up to " + RollbackTimeout.String() + ")",
-			Value: DefaultTimeout,
-		},
+// usageText is mgpu-hook --help.
+const usageText = `mgpu-hook - OCI hook of mgpu: admit a container's GPU shares, release them
+
+Usage:
+  mgpu-hook [--config FILE] [--timeout DURATION] create|destroy
+  mgpu-hook --help
+
+Runs from the hooks of the mgpu CDI spec, with the OCI state on stdin:
+  createRuntime: mgpu-hook create   asks each requested device's enforcer for an instance
+  poststop:      mgpu-hook destroy  releases the container's instances (idempotent, always exits 0)
+Requests: annotations vke.volcengine.com/mgpu-core, vke.volcengine.com/mgpu-memory,
+vke.volcengine.com/mgpu-compute-policy, or env MGPU_CORE, MGPU_MEMORY, MGPU_COMPUTE_POLICY
+(annotations win). A Kubernetes pod's container (CRI annotations) gets its quota from
+the node agent on <run_dir>/kube-agent.sock instead.
+
+Options:
+  --config FILE       node configuration (default $` + config.EnvPath + `, else ` + config.DefaultPath + `)
+  --timeout DURATION  give up after DURATION (default %s; the CDI spec gives the hook
+                      10s, and rollback adds up to %s)
+  --help, -h          show this help
+
+Exit status: 0 admitted (destroy: always), 1 refused (one line on stderr
+that starts with "mgpu: "), 2 bad usage. See docs/hook.md.
+`
+
+// Main runs mgpu-hook and returns its exit status. A failure is one line on
+// stderr that starts with "mgpu: ".
+//
+// The command line is parsed with the standard library's flag package: the
+// runtime waits for the hook at every container start, and a CLI framework's
+// initialisation is time it would wait for.
+func Main(args []string, stdin io.Reader, stdout, stderr io.Writer, opts ...Option) int {
+	err := run(args, stdin, stdout, stderr, opts)
+	if err == nil {
+		return 0
 	}
-	return &cli.App{
-		Name:  "mgpu-hook",
-		Usage: "OCI hook of mgpu: admit a container's GPU shares, release them",
-		Description: "Runs from the hooks of the mgpu CDI spec, with the OCI state on stdin:\n" +
-			"  createRuntime: mgpu-hook create   asks each requested device's enforcer for an instance\n" +
-			"  poststop:      mgpu-hook destroy  releases the container's instances (never fails)\n" +
-			"Requests: annotations vke.volcengine.com/mgpu-core, vke.volcengine.com/mgpu-memory,\n" +
-			"vke.volcengine.com/mgpu-compute-policy, or env MGPU_CORE, MGPU_MEMORY, MGPU_COMPUTE_POLICY\n" +
-			"(annotations win). A Kubernetes pod's container (CRI annotations) gets its quota from\n" +
-			"the node agent on <run_dir>/kube-agent.sock instead. See docs/hook.md.",
-		Version:         version.String(),
-		HideVersion:     true,
-		Reader:          stdin,
-		Writer:          stdout,
-		ErrWriter:       stderr,
-		HideHelpCommand: true,
-		Flags:           flags,
-		Commands: []*cli.Command{
-			{
-				Name:         "create",
-				Usage:        "createRuntime hook: admit the container on each of its mgpu devices",
-				OnUsageError: onUsageError,
-				Action: func(c *cli.Context) error {
-					return bounded(c, "create", func(ctx context.Context) error {
-						return runCreate(ctx, c, stderr, opts)
-					})
-				},
-			},
-			{
-				Name:         "destroy",
-				Usage:        "poststop hook: release the container's instances (idempotent, always exits 0)",
-				OnUsageError: onUsageError,
-				Action: func(c *cli.Context) error {
-					err := bounded(c, "destroy", func(ctx context.Context) error {
-						runDestroy(ctx, c, stderr, opts)
-						return nil
-					})
-					if err != nil {
-						fmt.Fprintf(stderr, "mgpu: destroy: %s\n", oneLine(err))
-					}
-					return nil
-				},
-			},
-		},
-		Action: func(c *cli.Context) error {
-			if c.NArg() > 0 {
-				return usageError{fmt.Errorf("unknown command %q (want create or destroy)", c.Args().First())}
-			}
-			_ = cli.ShowAppHelp(c)
-			return usageError{errors.New("no command (want create or destroy)")}
-		},
-		OnUsageError:   onUsageError,
-		ExitErrHandler: func(*cli.Context, error) {},
+	fmt.Fprintf(stderr, "mgpu: %s\n", oneLine(err))
+	var ue usageError
+	if errors.As(err, &ue) {
+		return exitUsage
 	}
+	return exitRefused
 }
 
-// onUsageError reports a bad flag in one line, without the help text.
-func onUsageError(_ *cli.Context, err error, _ bool) error { return usageError{err} }
+func run(args []string, stdin io.Reader, stdout, stderr io.Writer, opts []Option) error {
+	fs := flag.NewFlagSet("mgpu-hook", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	cfgPath := fs.String("config", "", "")
+	timeout := fs.Duration("timeout", DefaultTimeout, "")
+	if len(args) > 0 {
+		args = args[1:]
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintf(stdout, usageText, DefaultTimeout, RollbackTimeout)
+			return nil
+		}
+		return usageError{err}
+	}
+	if fs.NArg() == 0 {
+		return usageError{errors.New("no command (want create or destroy; see mgpu-hook --help)")}
+	}
+	verb, rest := fs.Arg(0), fs.Args()[1:]
+	if verb != "create" && verb != "destroy" {
+		return usageError{fmt.Errorf("unknown command %q (want create or destroy)", verb)}
+	}
+	if len(rest) == 1 && (rest[0] == "--help" || rest[0] == "-help" || rest[0] == "-h") {
+		fmt.Fprintf(stdout, usageText, DefaultTimeout, RollbackTimeout)
+		return nil
+	}
+	if len(rest) > 0 {
+		return usageError{fmt.Errorf("%s takes no arguments, got %q (flags go before the command)", verb, strings.Join(rest, " "))}
+	}
+	if *timeout <= 0 {
+		return usageError{fmt.Errorf("--timeout must be positive, got %s", *timeout)}
+	}
+	path := config.Resolve(*cfgPath)
+	if verb == "create" {
+		return bounded(*timeout, verb, func(ctx context.Context) error {
+			return runCreate(ctx, path, stdin, stderr, opts)
+		})
+	}
+	if err := bounded(*timeout, verb, func(ctx context.Context) error {
+		runDestroy(ctx, path, stdin, stderr, opts)
+		return nil
+	}); err != nil {
+		fmt.Fprintf(stderr, "mgpu: destroy: %s\n", oneLine(err))
+	}
+	return nil
+}
 
 // bounded runs fn with the --timeout deadline and returns its error, or
 // gives up grace after the deadline and rollback, whatever fn is blocked in.
-func bounded(c *cli.Context, verb string, fn func(ctx context.Context) error) error {
-	timeout := c.Duration("timeout")
-	if timeout <= 0 {
-		return usageError{fmt.Errorf("--timeout must be positive, got %s", timeout)}
-	}
-	ctx, cancel := context.WithTimeout(c.Context, timeout)
+func bounded(timeout time.Duration, verb string, fn func(ctx context.Context) error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- fn(ctx) }()
@@ -119,26 +132,26 @@ func bounded(c *cli.Context, verb string, fn func(ctx context.Context) error) er
 	}
 }
 
-func runCreate(ctx context.Context, c *cli.Context, _ io.Writer, opts []Option) error {
-	st, err := readState(ctx, c.App.Reader)
+func runCreate(ctx context.Context, cfgPath string, stdin io.Reader, stderr io.Writer, opts []Option) error {
+	st, err := readState(ctx, stdin)
 	if err != nil {
 		return err
 	}
-	cfg, err := config.Load(config.Resolve(c.String("config")))
+	cfg, err := config.Load(cfgPath)
 	if err != nil {
 		return err
 	}
-	_, err = New(cfg, append([]Option{WithLog(c.App.ErrWriter)}, opts...)...).Create(ctx, st)
+	_, err = New(cfg, append([]Option{WithLog(stderr)}, opts...)...).Create(ctx, st)
 	return err
 }
 
-func runDestroy(ctx context.Context, c *cli.Context, stderr io.Writer, opts []Option) {
-	st, err := readState(ctx, c.App.Reader)
+func runDestroy(ctx context.Context, cfgPath string, stdin io.Reader, stderr io.Writer, opts []Option) {
+	st, err := readState(ctx, stdin)
 	if err != nil {
 		fmt.Fprintf(stderr, "mgpu: destroy: %s\n", oneLine(err))
 		return
 	}
-	cfg, err := config.Load(config.Resolve(c.String("config")))
+	cfg, err := config.Load(cfgPath)
 	if err != nil {
 		fmt.Fprintf(stderr, "mgpu: destroy %s: %s\n", st.ID, oneLine(err))
 		return
@@ -175,21 +188,6 @@ type usageError struct{ err error }
 
 func (e usageError) Error() string { return e.err.Error() }
 func (e usageError) Unwrap() error { return e.err }
-
-// Main runs mgpu-hook and returns its exit status. A failure is one line on
-// stderr that starts with "mgpu: ".
-func Main(args []string, stdin io.Reader, stdout, stderr io.Writer, opts ...Option) int {
-	err := App(stdin, stdout, stderr, opts...).Run(args)
-	if err == nil {
-		return 0
-	}
-	fmt.Fprintf(stderr, "mgpu: %s\n", oneLine(err))
-	var ue usageError
-	if errors.As(err, &ue) {
-		return exitUsage
-	}
-	return exitRefused
-}
 
 // oneLine folds a multi-line error into one line.
 func oneLine(err error) string {

@@ -168,8 +168,8 @@ func TestCreateSameQuotaOnEveryDevice(t *testing.T) {
 	}
 }
 
-// Not parallel: urfave/cli shares its help flag between apps.
 func TestMainTimesOutOnSilentStdin(t *testing.T) {
+	t.Parallel()
 	r, w, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)
@@ -192,15 +192,19 @@ func TestMainTimesOutOnSilentStdin(t *testing.T) {
 
 // Not parallel: urfave/cli shares its help flag between apps.
 func TestMainUsage(t *testing.T) {
-	for _, args := range [][]string{{}, {"frob"}, {"--nope", "create"}, {"--timeout", "0s", "create"}} {
+	t.Parallel()
+	for _, args := range [][]string{{}, {"frob"}, {"--nope", "create"}, {"--timeout", "0s", "create"}, {"--timeout", "soon", "create"}, {"create", "extra"}, {"destroy", "--config", "x"}} {
 		var out, errb strings.Builder
 		rc := Main(append([]string{"mgpu-hook"}, args...), strings.NewReader(""), &out, &errb)
-		if rc != exitUsage || !strings.HasPrefix(errb.String(), "mgpu: ") || strings.Count(errb.String(), "\n") != 1 {
-			t.Errorf("%v: rc %d, stderr %q", args, rc, errb.String())
+		if rc != exitUsage || !strings.HasPrefix(errb.String(), "mgpu: ") || strings.Count(errb.String(), "\n") != 1 || out.Len() > 0 {
+			t.Errorf("%v: rc %d, stdout %q, stderr %q", args, rc, out.String(), errb.String())
 		}
 	}
-	var out, errb strings.Builder
-	if rc := Main([]string{"mgpu-hook", "--help"}, strings.NewReader(""), &out, &errb); rc != 0 || !strings.Contains(out.String(), "createRuntime") {
-		t.Fatalf("--help: rc %d, %q", rc, out.String())
+	for _, args := range [][]string{{"--help"}, {"-h"}, {"create", "--help"}, {"--config", "/nonexistent", "destroy", "-h"}} {
+		var out, errb strings.Builder
+		rc := Main(append([]string{"mgpu-hook"}, args...), strings.NewReader(""), &out, &errb)
+		if rc != 0 || !strings.Contains(out.String(), "createRuntime") || !strings.Contains(out.String(), "default 5s") || errb.Len() > 0 {
+			t.Errorf("%v: rc %d, stdout %q, stderr %q", args, rc, out.String(), errb.String())
+		}
 	}
 }

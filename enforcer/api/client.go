@@ -1,24 +1,22 @@
 package api
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"net"
-	"net/http"
 	"net/url"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/mgpu-dev/mgpu/internal/unixhttp"
 )
 
-// Client talks to one device's enforcer over its control socket.
+// Client talks to one device's enforcer over its control socket, one
+// connection per request (package unixhttp: no net/http in mgpu-hook).
 type Client struct {
 	socket string
-	hc     *http.Client
 }
 
 // DefaultTimeout bounds one request of a Client.
@@ -27,16 +25,7 @@ const DefaultTimeout = 10 * time.Second
 // NewClient returns a client of the control socket at path (see
 // ControlSocket).
 func NewClient(socket string) *Client {
-	tr := &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", socket)
-		},
-		MaxIdleConns:          2,
-		IdleConnTimeout:       30 * time.Second,
-		ResponseHeaderTimeout: DefaultTimeout,
-	}
-	return &Client{socket: socket, hc: &http.Client{Transport: tr, Timeout: DefaultTimeout}}
+	return &Client{socket: socket}
 }
 
 // ErrNotRunning is returned (wrapped) when nothing listens on the socket.
@@ -54,7 +43,7 @@ func (e *Error) Error() string { return e.Message }
 // Create asks for an instance (POST /v1/instances).
 func (c *Client) Create(ctx context.Context, req CreateRequest) (CreateResponse, error) {
 	var out CreateResponse
-	err := c.do(ctx, http.MethodPost, "/v1/instances", req, &out)
+	err := c.do(ctx, "POST", "/v1/instances", req, &out)
 	return out, err
 }
 
@@ -62,42 +51,42 @@ func (c *Client) Create(ctx context.Context, req CreateRequest) (CreateResponse,
 // it did not exist.
 func (c *Client) Destroy(ctx context.Context, name string) (DestroyResponse, error) {
 	var out DestroyResponse
-	err := c.do(ctx, http.MethodDelete, "/v1/instances/"+url.PathEscape(name), nil, &out)
+	err := c.do(ctx, "DELETE", "/v1/instances/"+url.PathEscape(name), nil, &out)
 	return out, err
 }
 
 // DestroyContainer releases the instance of a container id.
 func (c *Client) DestroyContainer(ctx context.Context, containerID string) (DestroyResponse, error) {
 	var out DestroyResponse
-	err := c.do(ctx, http.MethodDelete, "/v1/instances?container_id="+url.QueryEscape(containerID), nil, &out)
+	err := c.do(ctx, "DELETE", "/v1/instances?container_id="+url.QueryEscape(containerID), nil, &out)
 	return out, err
 }
 
 // Get returns one instance.
 func (c *Client) Get(ctx context.Context, name string) (Instance, error) {
 	var out Instance
-	err := c.do(ctx, http.MethodGet, "/v1/instances/"+url.PathEscape(name), nil, &out)
+	err := c.do(ctx, "GET", "/v1/instances/"+url.PathEscape(name), nil, &out)
 	return out, err
 }
 
 // List returns the device's instances, ordered by id.
 func (c *Client) List(ctx context.Context) ([]Instance, error) {
 	var out ListResponse
-	err := c.do(ctx, http.MethodGet, "/v1/instances", nil, &out)
+	err := c.do(ctx, "GET", "/v1/instances", nil, &out)
 	return out.Instances, err
 }
 
 // Device returns the device's live allocation.
 func (c *Client) Device(ctx context.Context) (DeviceResponse, error) {
 	var out DeviceResponse
-	err := c.do(ctx, http.MethodGet, "/v1/device", nil, &out)
+	err := c.do(ctx, "GET", "/v1/device", nil, &out)
 	return out, err
 }
 
 // Stats returns the accounting of every instance.
 func (c *Client) Stats(ctx context.Context) ([]InstanceStats, error) {
 	var out StatsResponse
-	err := c.do(ctx, http.MethodGet, "/v1/stats", nil, &out)
+	err := c.do(ctx, "GET", "/v1/stats", nil, &out)
 	return out.Instances, err
 }
 
@@ -105,33 +94,23 @@ func (c *Client) Stats(ctx context.Context) ([]InstanceStats, error) {
 const maxResponseBytes = 16 << 20
 
 func (c *Client) do(ctx context.Context, method, p string, body, out any) error {
-	var rd io.Reader
+	var b []byte
 	if body != nil {
-		b, err := json.Marshal(body)
-		if err != nil {
+		var err error
+		if b, err = json.Marshal(body); err != nil {
 			return err
 		}
-		rd = bytes.NewReader(b)
 	}
-	req, err := http.NewRequestWithContext(ctx, method, "http://mgpu"+p, rd)
-	if err != nil {
-		return err
-	}
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	resp, err := c.hc.Do(req)
+	ctx, cancel := context.WithTimeout(ctx, DefaultTimeout)
+	defer cancel()
+	resp, err := unixhttp.Do(ctx, c.socket, method, p, b, maxResponseBytes)
 	if err != nil {
 		if errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED) {
 			return fmt.Errorf("%w (no one listens on %s)", ErrNotRunning, c.socket)
 		}
 		return fmt.Errorf("enforcer at %s: %w", c.socket, err)
 	}
-	defer func() { _ = resp.Body.Close() }()
-	data, err := io.ReadAll(io.LimitReader(resp.Body, maxResponseBytes))
-	if err != nil {
-		return fmt.Errorf("enforcer at %s: read answer: %w", c.socket, err)
-	}
+	data := resp.Body
 	if resp.StatusCode >= 400 {
 		var e ErrorResponse
 		if json.Unmarshal(data, &e) == nil && e.Error != "" {

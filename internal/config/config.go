@@ -10,7 +10,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -397,8 +396,11 @@ func decodeError(name string, data []byte, lines keyLines, err error) error {
 		}
 	}
 	line := lines.line(key)
-	if m := lineRE.FindStringSubmatch(msg); m != nil {
-		line, _ = strconv.Atoi(m[1])
+	if rest, ok := strings.CutPrefix(msg, "toml: line "); ok {
+		digits := rest[:len(rest)-len(strings.TrimLeft(rest, "0123456789"))]
+		if n, err := strconv.Atoi(digits); err == nil {
+			line = n
+		}
 	}
 	if i := strings.Index(msg, "): "); i >= 0 {
 		msg = msg[i+3:]
@@ -406,8 +408,6 @@ func decodeError(name string, data []byte, lines keyLines, err error) error {
 	msg = strings.TrimPrefix(msg, "toml: ")
 	return &Error{File: name, Line: line, Key: key, Err: errors.New(msg)}
 }
-
-var lineRE = regexp.MustCompile(`^toml: line (\d+)`)
 
 func (c *Config) validate() error {
 	if c.Version != Version {

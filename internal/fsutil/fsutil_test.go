@@ -9,22 +9,24 @@ import (
 
 func TestWriteFileAtomic(t *testing.T) {
 	t.Parallel()
-	dir := t.TempDir()
-	path := filepath.Join(dir, "spec.yaml")
-	if err := os.WriteFile(path, []byte("old"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := WriteFileAtomic(path, []byte("new"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	b, err := os.ReadFile(path)
-	st, _ := os.Stat(path)
-	if err != nil || string(b) != "new" || st.Mode().Perm() != 0o644 {
-		t.Fatalf("%q %v %v", b, st.Mode(), err)
-	}
-	ents, _ := os.ReadDir(dir)
-	if len(ents) != 1 {
-		t.Fatalf("temporary files left: %v", ents)
+	for name, write := range map[string]func(string, []byte, os.FileMode) error{"WriteFileAtomic": WriteFileAtomic, "ReplaceFile": ReplaceFile} {
+		dir := t.TempDir()
+		path := filepath.Join(dir, "spec.yaml")
+		if err := os.WriteFile(path, []byte("old"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := write(path, []byte("new"), 0o644); err != nil {
+			t.Fatal(name, err)
+		}
+		b, err := os.ReadFile(path)
+		st, _ := os.Stat(path)
+		if err != nil || string(b) != "new" || st.Mode().Perm() != 0o644 {
+			t.Fatalf("%s: %q %v %v", name, b, st.Mode(), err)
+		}
+		ents, _ := os.ReadDir(dir)
+		if len(ents) != 1 {
+			t.Fatalf("%s: temporary files left: %v", name, ents)
+		}
 	}
 }
 

@@ -11,13 +11,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"net"
-	"net/http"
 	"net/url"
 	"path/filepath"
 	"syscall"
 	"time"
+
+	"github.com/mgpu-dev/mgpu/internal/unixhttp"
 )
 
 // SocketName is the agent's socket in the node's run_dir.
@@ -74,10 +73,10 @@ func (e *Error) Error() string { return e.Message }
 // ErrNotRunning is returned (wrapped) when nothing listens on the socket.
 var ErrNotRunning = errors.New("the mgpu node agent (mgpu-device-plugin) is not running")
 
-// Client asks the agent on one socket.
+// Client asks the agent on one socket, one connection per query (package
+// unixhttp: no net/http in mgpu-hook).
 type Client struct {
 	socket string
-	hc     *http.Client
 }
 
 // DefaultTimeout bounds one query.
@@ -85,14 +84,7 @@ const DefaultTimeout = 5 * time.Second
 
 // NewClient returns a client of the agent's socket.
 func NewClient(socket string) *Client {
-	tr := &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", socket)
-		},
-		ResponseHeaderTimeout: DefaultTimeout,
-	}
-	return &Client{socket: socket, hc: &http.Client{Transport: tr, Timeout: DefaultTimeout}}
+	return &Client{socket: socket}
 }
 
 // maxAnswer bounds an answer's size.
@@ -101,23 +93,17 @@ const maxAnswer = 1 << 20
 // Assignment asks what container c may have.
 func (c *Client) Assignment(ctx context.Context, ctr Container) (Assignment, error) {
 	q := url.Values{"namespace": {ctr.Namespace}, "pod": {ctr.Pod}, "uid": {ctr.UID}, "container": {ctr.Container}}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://agent"+AssignmentPath+"?"+q.Encode(), nil)
-	if err != nil {
-		return Assignment{}, err
-	}
-	resp, err := c.hc.Do(req)
+	ctx, cancel := context.WithTimeout(ctx, DefaultTimeout)
+	defer cancel()
+	resp, err := unixhttp.Do(ctx, c.socket, "GET", AssignmentPath+"?"+q.Encode(), nil, maxAnswer)
 	if err != nil {
 		if errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED) {
 			return Assignment{}, fmt.Errorf("%w (no one answers on %s)", ErrNotRunning, c.socket)
 		}
 		return Assignment{}, fmt.Errorf("the mgpu node agent on %s: %w", c.socket, err)
 	}
-	defer func() { _ = resp.Body.Close() }()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxAnswer))
-	if err != nil {
-		return Assignment{}, fmt.Errorf("the mgpu node agent on %s: %w", c.socket, err)
-	}
-	if resp.StatusCode != http.StatusOK {
+	body := resp.Body
+	if resp.StatusCode != 200 {
 		e := &Error{Status: resp.StatusCode}
 		if json.Unmarshal(body, e) != nil || e.Message == "" {
 			e.Message = fmt.Sprintf("the mgpu node agent answered %s", resp.Status)

@@ -50,20 +50,32 @@ func Median(d []time.Duration) time.Duration {
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
-// CreateOverhead is the median create time with the hooks minus without.
+// CreateOverhead is the median of the paired differences: each container
+// with the hooks minus the one without that ran right after it. Pairing
+// cancels the drift of a shared machine that a difference of two medians
+// keeps (runs of 20 pairs differed by 10 ms that way).
 func (r HookBenchResult) CreateOverhead() time.Duration {
-	return Median(r.CreateWith) - Median(r.CreateWithout)
+	return pairedOverhead(r.CreateWith, r.CreateWithout)
 }
 
-// RemoveOverhead is the median remove time with the hooks minus without.
+// RemoveOverhead is the median of the paired remove-time differences.
 func (r HookBenchResult) RemoveOverhead() time.Duration {
-	return Median(r.RemoveWith) - Median(r.RemoveWithout)
+	return pairedOverhead(r.RemoveWith, r.RemoveWithout)
+}
+
+func pairedOverhead(with, without []time.Duration) time.Duration {
+	n := min(len(with), len(without))
+	d := make([]time.Duration, n)
+	for i := range n {
+		d[i] = with[i] - without[i]
+	}
+	return Median(d)
 }
 
 // String is one line of medians.
 func (r HookBenchResult) String() string {
 	ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
-	return fmt.Sprintf("%s, %d containers each: create %.1f ms with the hook, %.1f ms without (+%.1f ms); remove %.1f ms with, %.1f ms without (+%.1f ms)",
+	return fmt.Sprintf("%s, %d containers each: create %.1f ms with the hook, %.1f ms without (paired +%.1f ms); remove %.1f ms with, %.1f ms without (paired +%.1f ms)",
 		r.Engine, r.N, ms(Median(r.CreateWith)), ms(Median(r.CreateWithout)), ms(r.CreateOverhead()),
 		ms(Median(r.RemoveWith)), ms(Median(r.RemoveWithout)), ms(r.RemoveOverhead()))
 }
