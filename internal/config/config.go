@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -89,7 +90,16 @@ type DeviceConfig struct {
 // SimConfig describes the simulated GPUs of the sim backend.
 type SimConfig struct {
 	GPUs []SimGPU `toml:"gpu"`
+	// Topology is how the simulated GPUs are connected, as nvidia-smi topo
+	// -m prints it: row i, column j is the link of GPUs i and j ("X" on
+	// the diagonal; PIX, PXB, PHB, NODE or SYS elsewhere, symmetric).
+	// Empty: every pair shares one host bridge (PHB).
+	Topology [][]string `toml:"topology"`
 }
+
+// SimLinks are the values of a [sim] topology entry, nearest first (NVML's
+// topology levels in nvidia-smi's words).
+var SimLinks = []string{"X", "PIX", "PXB", "PHB", "NODE", "SYS"}
 
 // SimGPU is one simulated GPU.
 type SimGPU struct {
@@ -485,6 +495,36 @@ func (c *Config) validate() error {
 			return &Error{Key: key + ".uuid", Err: fmt.Errorf("duplicate uuid %q", c.Sim.GPUs[i].UUID)}
 		}
 		uuids[c.Sim.GPUs[i].UUID] = true
+	}
+	return c.Sim.validateTopology()
+}
+
+// validateTopology checks [sim] topology: one row and one column per GPU,
+// X exactly on the diagonal, known links, symmetric.
+func (s SimConfig) validateTopology() error {
+	t := s.Topology
+	if len(t) == 0 {
+		return nil
+	}
+	n := len(s.GPUs)
+	if len(t) != n {
+		return &Error{Key: "sim.topology", Err: fmt.Errorf("has %d rows for %d GPUs; want one row per [[sim.gpu]]", len(t), n)}
+	}
+	for i, row := range t {
+		if len(row) != n {
+			return &Error{Key: fmt.Sprintf("sim.topology[%d]", i), Err: fmt.Errorf("has %d entries for %d GPUs", len(row), n)}
+		}
+		for j, v := range row {
+			key := fmt.Sprintf("sim.topology[%d][%d]", i, j)
+			switch {
+			case !slices.Contains(SimLinks, v):
+				return &Error{Key: key, Err: fmt.Errorf("unknown link %q (want one of %s)", v, strings.Join(SimLinks, ", "))}
+			case (i == j) != (v == "X"):
+				return &Error{Key: key, Err: fmt.Errorf("%q: X is a GPU's link to itself, and only that", v)}
+			case t[j][i] != v:
+				return &Error{Key: key, Err: fmt.Errorf("%q, but sim.topology[%d][%d] is %q; links go both ways", v, j, i, t[j][i])}
+			}
+		}
 	}
 	return nil
 }

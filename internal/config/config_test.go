@@ -273,3 +273,25 @@ func FuzzParse(f *testing.F) {
 		}
 	})
 }
+
+func TestSimTopology(t *testing.T) {
+	t.Parallel()
+	const gpus = "[[sim.gpu]]\n[[sim.gpu]]\n[[sim.gpu]]\n"
+	cfg, err := Parse("c.toml", []byte("version = 1\nbackend = \"sim\"\n[sim]\ntopology = [[\"X\", \"PIX\", \"SYS\"], [\"PIX\", \"X\", \"SYS\"], [\"SYS\", \"SYS\", \"X\"]]\n"+gpus))
+	if err != nil || len(cfg.Sim.Topology) != 3 || cfg.Sim.Topology[0][1] != "PIX" {
+		t.Fatalf("%+v %v", cfg.Sim.Topology, err)
+	}
+	for _, tc := range []struct{ name, topo, key, msg string }{
+		{"rows", `[["X", "PIX", "SYS"]]`, "sim.topology", "has 1 rows for 3 GPUs"},
+		{"columns", `[["X", "PIX"], ["PIX", "X"], ["SYS", "SYS"]]`, "sim.topology[0]", "has 2 entries for 3 GPUs"},
+		{"unknown link", `[["X", "NV4", "SYS"], ["NV4", "X", "SYS"], ["SYS", "SYS", "X"]]`, "sim.topology[0][1]", `unknown link "NV4" (want one of X, PIX, PXB, PHB, NODE, SYS)`},
+		{"diagonal", `[["PIX", "PIX", "SYS"], ["PIX", "X", "SYS"], ["SYS", "SYS", "X"]]`, "sim.topology[0][0]", "X is a GPU's link to itself"},
+		{"asymmetric", `[["X", "PIX", "SYS"], ["PXB", "X", "SYS"], ["SYS", "SYS", "X"]]`, "sim.topology[0][1]", `"PIX", but sim.topology[1][0] is "PXB"`},
+	} {
+		_, err := Parse("c.toml", []byte("version = 1\nbackend = \"sim\"\n[sim]\ntopology = "+tc.topo+"\n"+gpus))
+		var ce *Error
+		if !errors.As(err, &ce) || ce.Key != tc.key || !strings.Contains(ce.Err.Error(), tc.msg) {
+			t.Errorf("%s: %v, want key %s and %q", tc.name, err, tc.key, tc.msg)
+		}
+	}
+}

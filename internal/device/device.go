@@ -81,6 +81,38 @@ func List(cfg *config.Config) ([]Info, error) {
 	return b.Devices()
 }
 
+// ListWithTopology is List, and the rank (Link.Rank) of the link between
+// every two of the GPUs, read in the same session of the backend. A pair
+// whose link cannot be read ranks farthest.
+func ListWithTopology(cfg *config.Config) ([]Info, func(a, b int) int, error) {
+	b, err := Open(cfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer func() { _ = b.Close() }()
+	devs, err := b.Devices()
+	if err != nil {
+		return nil, nil, err
+	}
+	ranks := map[[2]int]int{}
+	for _, x := range devs {
+		for _, y := range devs {
+			r := LinkSystem.Rank()
+			if l, err := b.Topology(x.Index, y.Index); err == nil {
+				r = l.Rank()
+			}
+			ranks[[2]int{x.Index, y.Index}] = r
+		}
+	}
+	dist := func(a, b int) int {
+		if r, ok := ranks[[2]int{a, b}]; ok {
+			return r
+		}
+		return LinkSystem.Rank()
+	}
+	return devs, dist, nil
+}
+
 // Find returns the device with the given index.
 func Find(devs []Info, index int) (Info, error) {
 	for _, d := range devs {
@@ -93,8 +125,9 @@ func Find(devs []Info, index int) (Info, error) {
 
 // Sim is the backend of simulated GPUs.
 type Sim struct {
-	devs    []Info
-	nodeDir string
+	devs     []Info
+	nodeDir  string
+	topology [][]string // [sim] topology (validated), or none
 }
 
 // SimNodeDir is where the simulated GPUs' device nodes live.
@@ -102,7 +135,7 @@ func SimNodeDir(cfg *config.Config) string { return filepath.Join(cfg.RunDir, "s
 
 // NewSim returns the simulated GPUs of cfg.
 func NewSim(cfg *config.Config) *Sim {
-	s := &Sim{nodeDir: SimNodeDir(cfg)}
+	s := &Sim{nodeDir: SimNodeDir(cfg), topology: cfg.Sim.Topology}
 	for i, g := range cfg.Sim.GPUs {
 		s.devs = append(s.devs, Info{
 			Index:       i,
@@ -126,7 +159,8 @@ func (s *Sim) Devices() ([]Info, error) { return append([]Info(nil), s.devs...),
 // ControlNodes implements Backend.
 func (s *Sim) ControlNodes() []string { return []string{filepath.Join(s.nodeDir, "nvidiactl")} }
 
-// Topology implements Backend: simulated GPUs hang off one host bridge.
+// Topology implements Backend: the links of [sim] topology, else one host
+// bridge for every pair.
 func (s *Sim) Topology(a, b int) (Link, error) {
 	if _, err := Find(s.devs, a); err != nil {
 		return "", err
@@ -137,7 +171,28 @@ func (s *Sim) Topology(a, b int) (Link, error) {
 	if a == b {
 		return LinkSame, nil
 	}
+	if t := s.topology; len(t) > a && len(t[a]) > b {
+		return Link(t[a][b]), nil
+	}
 	return LinkHostBridge, nil
+}
+
+// Rank orders links from nearest (0, the same GPU) to farthest; an unknown
+// link ranks farthest.
+func (l Link) Rank() int {
+	switch l {
+	case LinkSame:
+		return 0
+	case LinkSingle:
+		return 1
+	case LinkMultiple:
+		return 2
+	case LinkHostBridge:
+		return 3
+	case LinkNode:
+		return 4
+	}
+	return 5
 }
 
 // Close implements Backend.

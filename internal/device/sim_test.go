@@ -35,3 +35,18 @@ func TestSimFromConfig(t *testing.T) {
 		t.Error("Topology with an unknown GPU did not fail")
 	}
 }
+
+func TestSimTopologyTable(t *testing.T) {
+	t.Parallel()
+	cfg, err := config.Parse("c.toml", []byte("version = 1\nbackend = \"sim\"\n[sim]\ntopology = [[\"X\", \"NODE\"], [\"NODE\", \"X\"]]\n[[sim.gpu]]\n[[sim.gpu]]\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := NewSim(cfg)
+	if l, err := s.Topology(1, 0); err != nil || l != LinkNode || l.Rank() != 4 {
+		t.Fatalf("Topology(1,0) = %q (rank %d), %v", l, l.Rank(), err)
+	}
+	if l, _ := s.Topology(1, 1); l != LinkSame || l.Rank() != 0 {
+		t.Fatalf("Topology(1,1) = %q", l)
+	}
+}

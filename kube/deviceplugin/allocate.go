@@ -118,10 +118,21 @@ func (p *Plugin) GetPreferredAllocation(ctx context.Context, r *pluginapi.Prefer
 	}
 	out := &pluginapi.PreferredAllocationResponse{}
 	for _, cr := range r.GetContainerRequests() {
-		ids, err := p.preferred(ctx, cr.GetAvailableDeviceIDs(), cr.GetMustIncludeDeviceIDs(), int(cr.GetAllocationSize()))
+		avail, must, size := cr.GetAvailableDeviceIDs(), cr.GetMustIncludeDeviceIDs(), int(cr.GetAllocationSize())
+		if p.scheme.Whole { // one ID per GPU: placed as whole GPUs of 100
+			var err1, err2 error
+			avail, err1 = p.scheme.expand(avail)
+			must, err2 = p.scheme.expand(must)
+			if err := errors.Join(err1, err2); err != nil {
+				return nil, invalid("%v", err)
+			}
+			size *= IDsPerGPU
+		}
+		ids, err := p.preferred(ctx, avail, must, size)
 		if err != nil {
 			return nil, err
 		}
+		ids = p.scheme.compress(ids)
 		out.ContainerResponses = append(out.ContainerResponses, &pluginapi.ContainerPreferredAllocationResponse{DeviceIDs: ids})
 	}
 	return out, nil
@@ -216,7 +227,25 @@ func (p *Plugin) preferred(ctx context.Context, available, mustInclude []string,
 		}
 	}
 	gpus := slices.Clone(mustGPUs)
-	if rest := k - len(mustGPUs); rest > 0 {
+	switch rest := k - len(mustGPUs); {
+	case p.scheme.Topology:
+		// The nearest set of wholly free GPUs, the must-include ones in it.
+		var free []int
+		for g, ids := range avail {
+			if len(ids) == IDsPerGPU {
+				free = append(free, g)
+			}
+		}
+		dist := p.dist
+		if dist == nil {
+			dist = func(int, int) int { return 0 }
+		}
+		chosen, err := placement.PlaceNear(free, mustGPUs, k, dist)
+		if err != nil {
+			return nil, placeError(err)
+		}
+		gpus = chosen
+	case rest > 0:
 		chosen, err := placement.PlaceCore(cards(must), rest*IDsPerGPU, p.Policy())
 		if err != nil {
 			return nil, placeError(err)
@@ -326,6 +355,10 @@ func (p *Plugin) Allocate(_ context.Context, r *pluginapi.AllocateRequest) (*plu
 func (p *Plugin) allocate(ids []string) (*pluginapi.ContainerAllocateResponse, error) {
 	if len(ids) == 0 {
 		return nil, invalid("no device IDs to allocate")
+	}
+	ids, err := p.scheme.expand(ids)
+	if err != nil {
+		return nil, invalid("%v", err)
 	}
 	by, err := p.parseIDs(ids)
 	if err != nil {

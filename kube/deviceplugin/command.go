@@ -29,15 +29,19 @@ node's scheduling mode (the label ` + ModeLabel + `, else --default-mode):
   mode      compute (device plugin)            memory (node capacity)
   mgpu      ` + string(ResourceName) + `       ` + string(MemoryResourceName) + ` (MiB)
   core_mem  aliyun.com/gpu-core.percentage     aliyun.com/gpu-mem (GiB)
+  default   nvidia.com/gpu (whole GPUs)        none (each GPU with all its memory)
+  topology  aliyun.com/gpu (whole GPUs, the    none
+            nearest set by the GPUs' topology)
 
 Compute is percent of a GPU's time (100 = one whole GPU, multiples of 100 =
 whole GPUs); the other mode's resources are 0. A mode change waits until no
 container holds device IDs of the current mode (drain the node's GPU pods).
 Each resource has its socket in the device-plugin directory (` + SocketName + `,
-mgpu-ack-core.sock); the plugin registers with the kubelet there, and again
-whenever the kubelet restarts.
+mgpu-ack-core.sock, mgpu-ack-default.sock, mgpu-ack-topology.sock); the plugin registers with the
+kubelet there, and again whenever the kubelet restarts.
 
-Each GPU of the node is 100 device IDs, mgpu-<gpu>-<k> with k = 00..99
+Each GPU of the node is 100 device IDs (default mode: one, mgpu-<gpu>-00, a
+whole GPU), mgpu-<gpu>-<k> with k = 00..99
 (mgpu-0-00 .. mgpu-0-99 for GPU 0), healthy while the GPU's enforcer
 answers. A container given N < 100 IDs of one GPU gets that GPU's CDI device
 (e.g. mgpu.io/gpu=0) and MGPU_CORE=N; one given all 100 IDs of each of
@@ -142,7 +146,7 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return fail(2, "%v", err)
 	}
-	devs, err := device.List(cfg)
+	devs, dist, err := device.ListWithTopology(cfg)
 	if err != nil {
 		return fail(1, "%v", err)
 	}
@@ -179,7 +183,7 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	var plugins []*Plugin
 	for _, sch := range Schemes {
 		p, err := New(gpus, NewEnforcerCards(cfg, gpus), WithScheme(sch), WithActive(sch.Mode == defMode.Mode),
-			WithDir(*dir), WithPolicy(pol), WithCDIKind(cfg.CDIKind), WithResolver(resolver), WithUUIDs(uuids), WithLogger(log))
+			WithDir(*dir), WithPolicy(pol), WithCDIKind(cfg.CDIKind), WithResolver(resolver), WithUUIDs(uuids), WithTopology(dist), WithLogger(log))
 		if err != nil {
 			return fail(1, "%v", err)
 		}

@@ -71,7 +71,7 @@ func (p *Plugin) devices() ([]*pluginapi.Device, <-chan struct{}) {
 		if h, known := p.healthy[g]; known && !h {
 			health = pluginapi.Unhealthy
 		}
-		for _, id := range gpuIDs(g) {
+		for _, id := range p.scheme.kubeletIDs(g) {
 			out = append(out, &pluginapi.Device{ID: id.String(), Health: health})
 		}
 	}

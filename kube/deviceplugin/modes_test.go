@@ -20,17 +20,17 @@ import (
 
 func TestParseMode(t *testing.T) {
 	t.Parallel()
-	for v, want := range map[string]string{"mgpu": "mgpu", "core_mem": "core_mem"} {
+	for v, want := range map[string]string{"mgpu": "mgpu", "core_mem": "core_mem", "default": "default", "topology": "topology"} {
 		s, err := ParseMode(v)
 		if err != nil || s.Mode != want {
 			t.Errorf("ParseMode(%q) = %+v, %v", v, s, err)
 		}
 	}
 	for v, want := range map[string]string{
-		"cgpu":     "ack.node.gpu.schedule=cgpu is not supported by this version of mgpu (it serves mgpu and core_mem)",
-		"topology": "ack.node.gpu.schedule=topology is not supported by this version of mgpu (it serves mgpu and core_mem)",
-		"Core_Mem": `ack.node.gpu.schedule="Core_Mem" is not a mode (mgpu serves mgpu and core_mem)`,
-		"":         `ack.node.gpu.schedule="" is not a mode (mgpu serves mgpu and core_mem)`,
+		"cgpu":     "ack.node.gpu.schedule=cgpu is not supported by this version of mgpu (it serves mgpu, core_mem, default and topology)",
+		"mps":      "ack.node.gpu.schedule=mps is not supported by this version of mgpu (it serves mgpu, core_mem, default and topology)",
+		"Core_Mem": `ack.node.gpu.schedule="Core_Mem" is not a mode (mgpu serves mgpu, core_mem, default and topology)`,
+		"":         `ack.node.gpu.schedule="" is not a mode (mgpu serves mgpu, core_mem, default and topology)`,
 	} {
 		if _, err := ParseMode(v); err == nil || err.Error() != want {
 			t.Errorf("ParseMode(%q): %v, want %q", v, err, want)
@@ -42,6 +42,133 @@ func TestParseMode(t *testing.T) {
 	}
 	if got := SchemeMGPU.MemoryUnits([]uint64{81920, 23028}); got != 104948 {
 		t.Errorf("mgpu capacity %d MiB, want 104948", got)
+	}
+	if got := SchemeDefault.MemoryUnits([]uint64{81920}); got != 0 {
+		t.Errorf("default capacity %d, want none", got)
+	}
+}
+
+// ACK's topology mode: aliyun.com/gpu, whole GPUs, the nearest set free.
+func TestTopologyModePrefersNearGPUs(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	// GPUs 0-1 and 2-3 share a PCIe switch (rank 1); the pairs are on two
+	// NUMA nodes (rank 5).
+	dist := func(a, b int) int {
+		switch {
+		case a == b:
+			return 0
+		case a/2 == b/2:
+			return 1
+		}
+		return 5
+	}
+	p, err := New([]int{0, 1, 2, 3}, newFakeCards(0, 1, 2, 3), WithScheme(SchemeTopology), WithTopology(dist), WithPolicy(placement.Spread), WithLogger(testLogger()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	all := []string{"mgpu-0-00", "mgpu-1-00", "mgpu-2-00", "mgpu-3-00"}
+	for _, tc := range []struct {
+		avail, must []string
+		size        int32
+		want        string
+	}{
+		{all, nil, 2, "mgpu-0-00,mgpu-1-00"},                       // not spread's 0 and 2
+		{all[1:], nil, 2, "mgpu-2-00,mgpu-3-00"},                   // 1 alone is farther
+		{all[1:], []string{"mgpu-1-00"}, 2, "mgpu-1-00,mgpu-2-00"}, // its neighbour is taken
+		{all, []string{"mgpu-3-00"}, 2, "mgpu-2-00,mgpu-3-00"},     // the must-include GPU's neighbour
+		{all, nil, 4, "mgpu-0-00,mgpu-1-00,mgpu-2-00,mgpu-3-00"},   // all
+	} {
+		resp, err := p.GetPreferredAllocation(ctx, &pluginapi.PreferredAllocationRequest{ContainerRequests: []*pluginapi.ContainerPreferredAllocationRequest{
+			{AvailableDeviceIDs: tc.avail, MustIncludeDeviceIDs: tc.must, AllocationSize: tc.size},
+		}})
+		if err != nil || strings.Join(resp.ContainerResponses[0].DeviceIDs, ",") != tc.want {
+			t.Errorf("%v must %v size %d: %v %v, want %s", tc.avail, tc.must, tc.size, resp, err, tc.want)
+		}
+	}
+	if _, err := p.GetPreferredAllocation(ctx, &pluginapi.PreferredAllocationRequest{ContainerRequests: []*pluginapi.ContainerPreferredAllocationRequest{
+		{AvailableDeviceIDs: all[:1], AllocationSize: 2},
+	}}); status.Code(err) != codes.ResourceExhausted {
+		t.Errorf("2 GPUs of 1 available: %v", err)
+	}
+}
+
+// ACK's default mode: nvidia.com/gpu, one device ID per GPU, each a whole
+// GPU with all its memory.
+func TestDefaultModeWholeGPUs(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	whole := func(name, n string) corev1.Pod {
+		p := pod(name, "", "", "")
+		p.Spec.Containers[0].Resources.Limits = corev1.ResourceList{SchemeDefault.Core: resource.MustParse(n)}
+		return p
+	}
+	for n, want := range map[string]int{"1": 100, "2": 200} {
+		p := whole("x", n)
+		if got, err := SchemeDefault.RequestOf(&p.Spec.Containers[0]); err != nil || got != (ContainerRequest{Core: want}) {
+			t.Errorf("nvidia.com/gpu %s: %+v %v", n, got, err)
+		}
+	}
+	for _, n := range []string{"0", "500m", "2000"} {
+		p := whole("x", n)
+		if _, err := SchemeDefault.RequestOf(&p.Spec.Containers[0]); err == nil || !strings.Contains(err.Error(), "is not a whole number of GPUs from 1 to 1024") {
+			t.Errorf("nvidia.com/gpu %s: %v", n, err)
+		}
+	}
+
+	p, err := New([]int{0, 1}, newFakeCards(0, 1), WithScheme(SchemeDefault), WithCDIKind("mgpu.io/gpu"), WithLogger(testLogger()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	devs, _ := p.devices()
+	var listed []string
+	for _, d := range devs {
+		listed = append(listed, d.ID)
+	}
+	if strings.Join(listed, " ") != "mgpu-0-00 mgpu-1-00" {
+		t.Fatalf("devices %v", listed)
+	}
+	// Binpack over two empty GPUs takes the first; a must-include ID is kept.
+	pref, err := p.GetPreferredAllocation(ctx, &pluginapi.PreferredAllocationRequest{ContainerRequests: []*pluginapi.ContainerPreferredAllocationRequest{
+		{AvailableDeviceIDs: listed, AllocationSize: 1},
+		{AvailableDeviceIDs: listed, MustIncludeDeviceIDs: []string{"mgpu-1-00"}, AllocationSize: 1},
+		{AvailableDeviceIDs: listed, AllocationSize: 2},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, r := range pref.ContainerResponses {
+		got = append(got, strings.Join(r.DeviceIDs, ","))
+	}
+	if strings.Join(got, " ") != "mgpu-0-00 mgpu-1-00 mgpu-0-00,mgpu-1-00" {
+		t.Fatalf("preferred %v", got)
+	}
+	resp, err := p.Allocate(ctx, &pluginapi.AllocateRequest{ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: []string{"mgpu-1-00"}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := resp.ContainerResponses[0]
+	if len(c.CdiDevices) != 1 || c.CdiDevices[0].Name != "mgpu.io/gpu=1" || c.Envs["MGPU_CORE"] != "100" {
+		t.Fatalf("allocate: %+v", c)
+	}
+	if _, err := p.Allocate(ctx, &pluginapi.AllocateRequest{ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: []string{"mgpu-1-05"}}}}); err == nil {
+		t.Fatal("an ID that is not a whole GPU's was allocated")
+	}
+
+	pods := &fakePods{pods: []corev1.Pod{whole("one", "1"), whole("two", "2")}}
+	allocs := &fakeAllocs{allocs: []Allocation{
+		{Namespace: "ns", Pod: "one", Container: "main", Resource: SchemeDefault.Core, IDs: []string{"mgpu-1-00"}},
+		{Namespace: "ns", Pod: "two", Container: "main", Resource: SchemeDefault.Core, IDs: []string{"mgpu-0-00"}},
+	}}
+	r := NewResolver("n1", []int{0, 1}, pods, allocs)
+	r.SetScheme(SchemeDefault)
+	a, err := r.Resolve(ctx, query("one"))
+	if err != nil || len(a.GPUs) != 1 || a.GPUs[0].Index != 1 || a.GPUs[0].Core != 100 || a.GPUs[0].MemoryMiB != 0 {
+		t.Fatalf("a whole GPU: %+v %v", a, err)
+	}
+	if _, err := r.Resolve(ctx, query("two")); err == nil || !strings.Contains(err.Error(), "requests nvidia.com/gpu 200, and the kubelet allocated 100") {
+		t.Fatalf("two GPUs asked, one allocated: %v", err)
 	}
 }
 
@@ -168,6 +295,9 @@ func TestNodeModes(t *testing.T) {
 				t.Fatalf("%s: capacity %s = %s, want %s", when, res, q.String(), want)
 			}
 		}
+		if _, ok := node.Status.Capacity[""]; ok {
+			t.Fatalf("%s: a capacity without a name", when)
+		}
 	}
 	setLabel := func(v string) {
 		node, err := client.CoreV1().Nodes().Get(ctx, "n1", metav1.GetOptions{})
@@ -200,6 +330,10 @@ func TestNodeModes(t *testing.T) {
 	check("label removed while the pod runs", "core_mem", "0", "160")
 	allocs.allocs = nil
 	check("label removed, node empty", "mgpu", "163840", "0")
+	setLabel("default")
+	check("default: whole GPUs, no memory resource", "default", "0", "0")
+	setLabel("")
+	check("back to mgpu", "mgpu", "163840", "0")
 
 	// An agent that starts on a node whose containers hold core_mem IDs
 	// serves core_mem whatever the label says.

@@ -156,6 +156,9 @@ func (n *NodePublisher) Publish(ctx context.Context) error {
 
 	capacity := map[string]string{}
 	for _, s := range n.schemes() {
+		if s.Memory == "" {
+			continue // a Whole scheme's memory goes with its GPUs
+		}
 		want := "0"
 		if n.current != nil && s.Mode == n.current.Mode {
 			want = strconv.FormatUint(s.MemoryUnits(n.gpuMiB), 10)

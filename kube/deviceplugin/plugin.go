@@ -62,6 +62,7 @@ type Plugin struct {
 	cdiKind  string
 	interval time.Duration
 	log      *slog.Logger
+	dist     func(a, b int) int // link rank of two GPUs (topology mode); nil: all alike
 
 	mu      sync.Mutex
 	active  bool          // the node's mode is the scheme's: devices are listed
@@ -74,6 +75,11 @@ type Option func(*Plugin)
 
 // WithScheme sets the resource the plugin serves (default SchemeMGPU).
 func WithScheme(s Scheme) Option { return func(p *Plugin) { p.scheme = s } }
+
+// WithTopology gives the rank of the link between two GPUs (0 the same
+// GPU, larger farther; device.Link.Rank), which a topology scheme's
+// preferred allocations minimise. Without it every pair is alike.
+func WithTopology(dist func(a, b int) int) Option { return func(p *Plugin) { p.dist = dist } }
 
 // WithActive sets whether the plugin starts active (default true): an
 // inactive plugin lists no devices and allocates none.

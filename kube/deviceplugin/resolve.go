@@ -71,6 +71,16 @@ func (s Scheme) RequestOf(c *corev1.Container) (ContainerRequest, error) {
 		return q, ok
 	}
 	var r ContainerRequest
+	if s.Whole {
+		if q, ok := get(s.Core); ok {
+			v, whole := q.AsInt64()
+			if !whole || v < 1 || v > maxWholeGPUs {
+				return r, fmt.Errorf("%s %s is not a whole number of GPUs from 1 to %d", s.Core, q.String(), maxWholeGPUs)
+			}
+			r.Core = int(v) * IDsPerGPU // whole GPUs with all their memory
+		}
+		return r, nil
+	}
 	if q, ok := get(s.Core); ok {
 		v, whole := q.AsInt64()
 		if !whole || v < 1 || (v > IDsPerGPU && v%IDsPerGPU != 0) {
@@ -94,6 +104,9 @@ func (s Scheme) RequestOf(c *corev1.Container) (ContainerRequest, error) {
 	}
 	return r, nil
 }
+
+// maxWholeGPUs bounds a Whole scheme's request (no node has more GPUs).
+const maxWholeGPUs = 1024
 
 // unitName is the name of the scheme's memory unit.
 func (s Scheme) unitName() string {
@@ -210,7 +223,10 @@ func (r *Resolver) Resolve(ctx context.Context, c agentapi.Container) (agentapi.
 	if err != nil {
 		return agentapi.Assignment{}, refuse(c, "reading the kubelet's allocations: %v", err)
 	}
-	ids := idsOf(allocs, sch.Core, c.Namespace, c.Pod, c.Container)
+	ids, err := sch.expand(idsOf(allocs, sch.Core, c.Namespace, c.Pod, c.Container))
+	if err != nil {
+		return agentapi.Assignment{}, refuse(c, "the kubelet allocated %v", err)
+	}
 	if len(ids) != req.Core {
 		return agentapi.Assignment{}, refuse(c, "it requests %s %d, and the kubelet allocated %d of its device IDs", sch.Core, req.Core, len(ids))
 	}
@@ -299,7 +315,8 @@ func (r *Resolver) pendingMemory(ctx context.Context, size int) (commitment, err
 			spec = findContainer(pod, a.Container)
 		}
 		per := map[int]int{}
-		for _, s := range a.IDs {
+		all, _ := sch.expand(a.IDs) // IDs of no whole GPU count for none
+		for _, s := range all {
 			if id, err := ParseID(s); err == nil {
 				per[id.GPU]++
 			}

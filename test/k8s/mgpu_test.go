@@ -1037,6 +1037,8 @@ func TestMGPUFixedShareNode(t *testing.T) {
 	m.deleteDeployment(t, "plain")
 	m.deleteDeployment(t, "guaranteed")
 	t.Run("CoreMem", func(t *testing.T) { testCoreMem(t, m) })
+	t.Run("Default", func(t *testing.T) { testDefaultMode(t, m) })
+	t.Run("Topology", func(t *testing.T) { testTopologyMode(t, m) })
 }
 
 // Keys of ACK's core_mem mode.
@@ -1176,3 +1178,75 @@ func testCoreMem(t *testing.T, m *mgpuNode) {
 }
 
 func qty(q resource.Quantity) string { return q.String() }
+
+// nvidiaGPU is the resource of ACK's default mode (and of NVIDIA's plugin).
+const nvidiaGPU corev1.ResourceName = "nvidia.com/gpu"
+
+// aliyunGPU is the resource of ACK's topology mode.
+const aliyunGPU corev1.ResourceName = "aliyun.com/gpu"
+
+// wholeDeployment asks for n whole GPUs as seed 001's default-mode Job does.
+func wholeDeployment(name string, n int, script string) *appsv1.Deployment {
+	return wholeOf(nvidiaGPU, name, n, script)
+}
+
+// wholeOf asks for n of the whole-GPU resource res.
+func wholeOf(r corev1.ResourceName, name string, n int, script string) *appsv1.Deployment {
+	d := seedDeployment(name, "", 0, 0, script)
+	res := corev1.ResourceList{r: *resource.NewQuantity(int64(n), resource.DecimalSI)}
+	d.Spec.Template.Spec.Containers[0].Resources = corev1.ResourceRequirements{Requests: res, Limits: res}
+	return d
+}
+
+// testDefaultMode is ACK's default (exclusive) mode: the node offers its
+// two GPUs as nvidia.com/gpu and nothing of the other modes; a pod of one
+// GPU gets a whole GPU (all its memory, all its time), a second one the
+// other GPU, a third waits; emptied and unlabelled, the node is mgpu's again.
+func testDefaultMode(t *testing.T, m *mgpuNode) {
+	m.setMode(t, "default", false)
+	m.waitNodeResources(t, map[corev1.ResourceName]int64{nvidiaGPU: 2, ackCoreKey: 0, ackMemKey: 0, coreKey: 0, memoryKey: 0})
+	a := m.running(t, m.deploy(t, wholeDeployment("whole-a", 1, saturate(3600))).Name, "start")
+	if log := m.PodLog(t, "default", a.Name, "main"); !strings.Contains(log, fmt.Sprintf("mem_total=%d", uint64(gpuMiB)<<20)) {
+		t.Errorf("cuMemGetInfo in the container does not say the whole GPU:\n%s", log)
+	}
+	inA := m.instanceOf(t, a)
+	if inA.Core != 100 || inA.MemoryMiB != gpuMiB {
+		t.Errorf("instance %+v, want core 100 and all %d MiB", inA, gpuMiB)
+	}
+	s := m.shares(t, []*corev1.Pod{a}, 2*time.Second, 5*time.Second)
+	t.Logf("default mode, one whole GPU busy alone: %.2f", s[0])
+	if s[0] < 95 {
+		t.Errorf("a whole GPU gave %.2f %% of its time, want at least 95", s[0])
+	}
+	b := m.running(t, m.deploy(t, wholeDeployment("whole-b", 1, "echo ready; "+idle)).Name, "ready")
+	if inB := m.instanceOf(t, b); inB.Device == inA.Device || inB.Core != 100 {
+		t.Errorf("second whole GPU: %+v, first on GPU %d", inB, inA.Device)
+	}
+	want := []uint64{gpuMiB, gpuMiB}
+	m.checkClusterInspect(t, want)
+	c := m.deploy(t, wholeDeployment("whole-c", 1, idle))
+	ev := m.waitEvent(t, c.Name, "FailedScheduling", "Insufficient nvidia.com/gpu", 60*time.Second)
+	t.Logf("a third whole GPU on a node of two: %s", ev.Message)
+	for _, d := range []string{"whole-a", "whole-b", "whole-c"} {
+		m.deleteDeployment(t, d)
+	}
+	m.setMode(t, "", false)
+	m.waitNodeResources(t, map[corev1.ResourceName]int64{nvidiaGPU: 0, coreKey: 200, memoryKey: 2 * gpuMiB})
+}
+
+// testTopologyMode is ACK's topology-aware mode: the node offers its GPUs
+// as aliyun.com/gpu (seed 001's check: "aliyun.com/gpu: 2"), and a pod of
+// two gets both, whole. (Which GPUs are nearest is the plugin's unit test:
+// the simulated node's two GPUs are one set.)
+func testTopologyMode(t *testing.T, m *mgpuNode) {
+	m.setMode(t, "topology", false)
+	m.waitNodeResources(t, map[corev1.ResourceName]int64{aliyunGPU: 2, nvidiaGPU: 0, ackCoreKey: 0, ackMemKey: 0, coreKey: 0, memoryKey: 0})
+	p := m.running(t, m.deploy(t, wholeOf(aliyunGPU, "near", 2, "/bin/mgpu-workload info; echo ready; "+idle)).Name, "ready")
+	if log := m.PodLog(t, "default", p.Name, "main"); !strings.Contains(log, "device_count=2") {
+		t.Errorf("the container does not see two GPUs:\n%s", log)
+	}
+	m.checkClusterInspect(t, []uint64{gpuMiB, gpuMiB})
+	m.deleteDeployment(t, "near")
+	m.setMode(t, "", false)
+	m.waitNodeResources(t, map[corev1.ResourceName]int64{aliyunGPU: 0, coreKey: 200, memoryKey: 2 * gpuMiB})
+}
