@@ -548,6 +548,29 @@ func TestBenchmarksRun(t *testing.T) {
 	t.Logf("ns_per_launch and ns_per_alloc: %v", m)
 }
 
+// serve (the request/response workload): one request per period, none
+// faster than its kernels, percentiles in order.
+func TestServeReportsLatencies(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	m := Fields(e.workload(0, "serve", "--kernel-us", "100", "--burst", "5", "--period-ms", "4", "--seconds", "0.4", "--depth", "2"))
+	if n := num(t, m, "requests"); n != 100 {
+		t.Errorf("requests=%v, want 100 (0.4 s every 4 ms)", n)
+	}
+	lo, p50, p90, p99, hi := num(t, m, "min_us"), num(t, m, "p50_us"), num(t, m, "p90_us"), num(t, m, "p99_us"), num(t, m, "max_us")
+	if lo < 500 || lo > p50 || p50 > p90 || p90 > p99 || p99 > hi {
+		t.Errorf("latencies min %v p50 %v p90 %v p99 %v max %v µs: a request is 5 kernels of 100 µs", lo, p50, p90, p99, hi)
+	}
+	if b := num(t, m, "busy_ns"); b != 100*5*100000 {
+		t.Errorf("busy_ns=%v", b)
+	}
+	t.Logf("serve: %v", m)
+	c := e.cmd(e.p.Workload, "serve", "--burst", "0")
+	if out, err := c.CombinedOutput(); err == nil || !strings.Contains(string(out), "serve needs --kernel-us >= 0, --burst >= 1") {
+		t.Errorf("bad options: %v %q", err, out)
+	}
+}
+
 // The C parts under ASan and UBSan: the semantics checks, a multi-stream
 // compute run and fork.
 func TestSanitizerBuild(t *testing.T) {

@@ -78,6 +78,8 @@ static struct {
     long threads;
     long report_ms;
     long idle_ms;
+    long burst;
+    double period_ms;
     long sync_every;
     long host_us;
     int null_stream;
@@ -105,6 +107,9 @@ static void usage(FILE *f)
             "  compute --api launch|launchex|coop|graph --kernel-us U --depth D --seconds S\n"
             "          [--streams N] [--threads T] [--null-stream] [--report-ms M] [--idle-ms I]\n"
             "          [--graph-nodes G] [--graph-build capture|nodes] [--sync-every K] [--host-us H]\n"
+            "  serve --kernel-us U --burst K --period-ms T --seconds S [--depth D]\n"
+            "        requests arrive every T ms; each launches K kernels (at most D in flight)\n"
+            "        and waits for them; prints latency percentiles from arrival to completion\n"
             "  bench-launch [--n N]                    ns_per_launch of 0-duration kernels\n"
             "  bench-alloc [--n N] [--bytes B] [--api NAME]   ns_per_alloc of alloc+free pairs\n"
             "  fork [--kernel-us U]                    CUDA in the parent, then in a forked child\n"
@@ -697,6 +702,89 @@ static int cmd_compute(void)
     return 0;
 }
 
+/* ---- serve: request/response latency ---- */
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* pct returns the p-th percentile (nearest rank) of the n sorted values. */
+static uint64_t pct(const uint64_t *v, size_t n, double p)
+{
+    size_t k = (size_t)(p / 100.0 * (double)n + 0.999999);
+    if (k < 1)
+        k = 1;
+    if (k > n)
+        k = n;
+    return v[k - 1];
+}
+
+/* An inference server's shape: requests arrive on a fixed schedule (every
+ * --period-ms from the start, whether or not the previous one is done);
+ * each launches --burst kernels of --kernel-us on one stream, at most
+ * --depth in flight, and waits for the last. A request's latency runs from
+ * its scheduled arrival to its completion, so time spent waiting behind a
+ * late predecessor counts, as it does for a client. */
+static int cmd_serve(void)
+{
+    if (opt.kernel_us < 0 || opt.burst < 1 || opt.period_ms <= 0 || opt.seconds <= 0 || opt.depth < 1)
+        die("serve needs --kernel-us >= 0, --burst >= 1, --period-ms > 0, --seconds > 0, --depth >= 1");
+    api_kind = API_LAUNCH;
+    kernel_ns = (uint64_t)opt.kernel_us * 1000;
+    setup();
+    load_kernel();
+    CUstream s;
+    CK(cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CUevent *ev = calloc((size_t)opt.depth, sizeof(CUevent));
+    uint64_t period = (uint64_t)(opt.period_ms * 1e6);
+    size_t max_req = (size_t)(opt.seconds * 1e9 / (double)period) + 1;
+    uint64_t *lat = calloc(max_req, sizeof(uint64_t));
+    if (!ev || !lat)
+        die("out of host memory");
+    for (long i = 0; i < opt.depth; i++)
+        CK(cu.cuEventCreate(&ev[i], CU_EVENT_DISABLE_TIMING));
+    printf("start mono_ns=%" PRIu64 "\n", now_ns());
+    fflush(stdout);
+    uint64_t t0 = now_ns(), end = t0 + (uint64_t)(opt.seconds * 1e9);
+    size_t n = 0, late = 0;
+    uint64_t busy = 0;
+    for (uint64_t arrive = t0; arrive < end && n < max_req; arrive += period) {
+        uint64_t now = now_ns();
+        if (now < arrive) {
+            struct timespec ts = {(time_t)(arrive / 1000000000ULL), (long)(arrive % 1000000000ULL)};
+            while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+                ;
+        } else if (n > 0) {
+            late++; /* the previous request was still running when this one arrived */
+        }
+        for (long k = 0; k < opt.burst; k++) {
+            if (k >= opt.depth)
+                CK(cu.cuEventSynchronize(ev[k % opt.depth])); /* at most depth in flight */
+            CUresult r = launch_one(s);
+            if (r != CUDA_SUCCESS)
+                die("launch -> %s (%d)", errname(r), (int)r);
+            CK(cu.cuEventRecord(ev[k % opt.depth], s));
+        }
+        CK(cu.cuStreamSynchronize(s));
+        lat[n++] = now_ns() - arrive;
+        busy += (uint64_t)opt.burst * kernel_ns;
+    }
+    uint64_t wall = now_ns() - t0;
+    qsort(lat, n, sizeof(uint64_t), cmp_u64);
+    printf("requests=%zu late=%zu p50_us=%" PRIu64 " p90_us=%" PRIu64 " p99_us=%" PRIu64 " max_us=%" PRIu64
+           " min_us=%" PRIu64 " kernel_us=%ld burst=%ld period_ms=%g busy_ns=%" PRIu64 " wall_ns=%" PRIu64 "\n",
+           n, late, pct(lat, n, 50) / 1000, pct(lat, n, 90) / 1000, pct(lat, n, 99) / 1000, lat[n - 1] / 1000,
+           lat[0] / 1000, opt.kernel_us, opt.burst, opt.period_ms, busy, wall);
+    for (long i = 0; i < opt.depth; i++)
+        CK(cu.cuEventDestroy_v2(ev[i]));
+    CK(cu.cuStreamDestroy_v2(s));
+    free(ev);
+    free(lat);
+    return 0;
+}
+
 /* ---- benchmarks ---- */
 static int cmd_bench_launch(void)
 {
@@ -856,6 +944,10 @@ int main(int argc, char **argv)
             opt.report_ms = num(a, VAL());
         } else if (strcmp(a, "--idle-ms") == 0) {
             opt.idle_ms = num(a, VAL());
+        } else if (strcmp(a, "--burst") == 0) {
+            opt.burst = num(a, VAL());
+        } else if (strcmp(a, "--period-ms") == 0) {
+            opt.period_ms = fnum(a, VAL());
         } else if (strcmp(a, "--sync-every") == 0) {
             opt.sync_every = num(a, VAL());
         } else if (strcmp(a, "--host-us") == 0) {
@@ -895,6 +987,8 @@ int main(int argc, char **argv)
         return cmd_churn();
     if (strcmp(cmd, "compute") == 0)
         return cmd_compute();
+    if (strcmp(cmd, "serve") == 0)
+        return cmd_serve();
     if (strcmp(cmd, "bench-launch") == 0)
         return cmd_bench_launch();
     if (strcmp(cmd, "bench-alloc") == 0)
