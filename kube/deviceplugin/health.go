@@ -43,7 +43,10 @@ func (p *Plugin) poll(ctx context.Context) {
 	}
 }
 
-// pollLoop polls every interval until ctx ends.
+// pollLoop polls every interval while the plugin is active, and at once
+// when it becomes active, until ctx ends. The node agent runs one plugin
+// per scheme and only the node's mode's is active: the others do not ask
+// the enforcers (nor log their health) again and again.
 func (p *Plugin) pollLoop(ctx context.Context) {
 	t := time.NewTicker(p.interval)
 	defer t.Stop()
@@ -52,8 +55,17 @@ func (p *Plugin) pollLoop(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+			p.pollIfActive(ctx)
+		case <-p.repoll:
 			p.poll(ctx)
 		}
+	}
+}
+
+// pollIfActive polls unless the plugin is inactive.
+func (p *Plugin) pollIfActive(ctx context.Context) {
+	if p.Active() {
+		p.poll(ctx)
 	}
 }
 

@@ -397,3 +397,49 @@ func TestNodeAllocationAnnotation(t *testing.T) {
 		t.Fatalf("after allocRefresh: %d patches, updated %v", k, got.Updated)
 	}
 }
+
+// countingCards counts the source's calls.
+type countingCards struct {
+	fakeCards
+	calls int
+}
+
+func (c *countingCards) Cards(ctx context.Context) ([]placement.Card, error) {
+	c.mu.Lock()
+	c.calls++
+	c.mu.Unlock()
+	return c.fakeCards.Cards(ctx)
+}
+
+// An inactive plugin does not ask the enforcers; activated, it asks at
+// once (its health may be stale).
+func TestInactivePluginDoesNotPoll(t *testing.T) {
+	t.Parallel()
+	src := &countingCards{}
+	src.set(0)
+	p, err := New([]int{0}, src, WithActive(false), WithLogger(testLogger()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	p.pollIfActive(ctx)
+	if src.calls != 0 {
+		t.Fatalf("inactive plugin polled %d times", src.calls)
+	}
+	p.SetActive(true)
+	select {
+	case <-p.repoll:
+	default:
+		t.Fatal("activation did not ask for a poll")
+	}
+	p.pollIfActive(ctx)
+	if src.calls != 1 {
+		t.Fatalf("active plugin polled %d times", src.calls)
+	}
+	p.SetActive(true) // no change: no second request
+	select {
+	case <-p.repoll:
+		t.Fatal("a repeated activation asked for a poll")
+	default:
+	}
+}

@@ -68,6 +68,7 @@ type Plugin struct {
 	active  bool          // the node's mode is the scheme's: devices are listed
 	healthy map[int]bool  // by GPU index; absent: not polled yet (healthy)
 	changed chan struct{} // closed and replaced when active or healthy changes
+	repoll  chan struct{} // (1) activated: poll the GPUs' health now
 }
 
 // Option configures a Plugin.
@@ -95,6 +96,12 @@ func (p *Plugin) SetActive(active bool) {
 		p.active = active
 		close(p.changed)
 		p.changed = make(chan struct{})
+		if active {
+			select { // health was not polled while inactive
+			case p.repoll <- struct{}{}:
+			default:
+			}
+		}
 	}
 }
 
@@ -156,6 +163,7 @@ func New(gpus []int, src CardSource, opts ...Option) (*Plugin, error) {
 		log:      slog.Default(),
 		healthy:  map[int]bool{},
 		changed:  make(chan struct{}),
+		repoll:   make(chan struct{}, 1),
 	}
 	for _, o := range opts {
 		o(p)
