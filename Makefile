@@ -23,11 +23,12 @@ all: build
 
 build: go c
 
-# mgpu-hook is built again without cgo (the second line): a dynamically
-# linked binary loads libc and starts cgo's threads before main, about 3 ms
-# of every container start; the hook needs neither.
+# mgpu-hook is built without cgo (the second line): a dynamically linked
+# binary loads libc and starts cgo's threads before main, about 3 ms of
+# every container start; the hook needs neither.
+CGO_CMDS := $(filter-out ./cmd/mgpu-hook/,$(sort $(dir $(wildcard ./cmd/*/main.go))))
 go:
-	$(GO) build -tags $(GO_TAGS) -ldflags "$(GO_LDFLAGS)" -o $(BUILD)/bin/ ./cmd/...
+	$(GO) build -tags $(GO_TAGS) -ldflags "$(GO_LDFLAGS)" -o $(BUILD)/bin/ $(CGO_CMDS)
 	CGO_ENABLED=0 $(GO) build -tags $(GO_TAGS) -ldflags "$(GO_LDFLAGS)" -o $(BUILD)/bin/ ./cmd/mgpu-hook
 	$(GO) build -o $(BUILD)/bin/mgpu-demo ./test/demo
 	$(GO) build -o $(BUILD)/bin/mgpu-bench ./test/bench

@@ -378,9 +378,10 @@ func TestReapDeadProcessAndInstance(t *testing.T) {
 	t.Logf("instance released %v after its root died", took)
 }
 
-// A state file cut short by a machine crash (it is written without fsync)
-// is from before the boot: it is moved aside and the device starts empty.
-func TestCorruptStateFromBeforeBootIsSetAside(t *testing.T) {
+// corruptStateEnv is an environment whose device 0 has a state file cut
+// short, and that file's bytes.
+func corruptStateEnv(t *testing.T) (*testEnv, []byte) {
+	t.Helper()
 	env := newEnv(t, nil)
 	if err := os.MkdirAll(env.cfg.DeviceStateDir(0), 0o700); err != nil {
 		t.Fatal(err)
@@ -389,6 +390,13 @@ func TestCorruptStateFromBeforeBootIsSetAside(t *testing.T) {
 	if err := os.WriteFile(env.statePath(), bad, 0o600); err != nil {
 		t.Fatal(err)
 	}
+	return env, bad
+}
+
+// A state file cut short by a machine crash (it is written without fsync)
+// is from before the boot: it is moved aside and the device starts empty.
+func TestCorruptStateFromBeforeBootIsSetAside(t *testing.T) {
+	env, bad := corruptStateEnv(t)
 	boot := readBootTime()
 	if boot.IsZero() {
 		t.Skip("no btime in /proc/stat")
@@ -415,14 +423,7 @@ func TestCorruptStateFromBeforeBootIsSetAside(t *testing.T) {
 }
 
 func TestCorruptStateRefusesStart(t *testing.T) {
-	env := newEnv(t, nil)
-	if err := os.MkdirAll(env.cfg.DeviceStateDir(0), 0o700); err != nil {
-		t.Fatal(err)
-	}
-	bad := []byte(`{"version":1,"device":0,"instances":[`)
-	if err := os.WriteFile(env.statePath(), bad, 0o600); err != nil {
-		t.Fatal(err)
-	}
+	env, bad := corruptStateEnv(t)
 	_, err := New(env.cfg, 0)
 	var ce *CorruptStateError
 	if !errors.As(err, &ce) {
