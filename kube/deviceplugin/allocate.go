@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -119,6 +120,14 @@ func (p *Plugin) GetPreferredAllocation(ctx context.Context, r *pluginapi.Prefer
 	out := &pluginapi.PreferredAllocationResponse{}
 	for _, cr := range r.GetContainerRequests() {
 		avail, must, size := cr.GetAvailableDeviceIDs(), cr.GetMustIncludeDeviceIDs(), int(cr.GetAllocationSize())
+		if p.memGiB != nil {
+			ids, err := p.preferredMemory(avail, must, size)
+			if err != nil {
+				return nil, err
+			}
+			out.ContainerResponses = append(out.ContainerResponses, &pluginapi.ContainerPreferredAllocationResponse{DeviceIDs: ids})
+			continue
+		}
 		if p.scheme.Whole { // one ID per GPU: placed as whole GPUs of 100
 			var err1, err2 error
 			avail, err1 = p.scheme.expand(avail)
@@ -343,7 +352,11 @@ func (p *Plugin) Allocate(_ context.Context, r *pluginapi.AllocateRequest) (*plu
 	}
 	out := &pluginapi.AllocateResponse{}
 	for _, cr := range r.GetContainerRequests() {
-		resp, err := p.allocate(cr.GetDevicesIds())
+		allocate := p.allocate
+		if p.memGiB != nil {
+			allocate = p.allocateMemory
+		}
+		resp, err := allocate(cr.GetDevicesIds())
 		if err != nil {
 			return nil, err
 		}
@@ -378,6 +391,15 @@ func (p *Plugin) allocate(ids []string) (*pluginapi.ContainerAllocateResponse, e
 		}
 		core = IDsPerGPU
 	}
+	resp := p.gpuResponse(gpus, true)
+	resp.Envs[hook.EnvCore] = strconv.Itoa(core)
+	return resp, nil
+}
+
+// gpuResponse is the answer that gives a container GPUs gpus (ascending):
+// their CDI devices (cdi), else their device nodes and the control nodes
+// (a bare GPU, without mgpu's hook and shim).
+func (p *Plugin) gpuResponse(gpus []int, cdi bool) *pluginapi.ContainerAllocateResponse {
 	// The container's CUDA ordinal k is its k-th GPU by index, as the
 	// driver numbers the devices a container sees: the shim maps ordinals
 	// to host GPUs (MGPU_VISIBLE_DEVICES), and the driver (or fakecuda)
@@ -390,14 +412,30 @@ func (p *Plugin) allocate(ids []string) (*pluginapi.ContainerAllocateResponse, e
 			uuids = append(uuids, u)
 		}
 	}
-	resp := &pluginapi.ContainerAllocateResponse{
-		Envs: map[string]string{hook.EnvCore: strconv.Itoa(core), EnvVisibleDevices: strings.Join(host, ",")},
-	}
+	resp := &pluginapi.ContainerAllocateResponse{Envs: map[string]string{}}
 	if len(uuids) == len(gpus) {
 		resp.Envs[EnvCUDAVisibleDevices] = strings.Join(uuids, ",")
 	}
+	if !cdi {
+		for _, g := range gpus {
+			for _, n := range p.bareNodes[g] {
+				resp.Devices = append(resp.Devices, deviceSpec(n))
+			}
+		}
+		for _, n := range p.bareControl {
+			resp.Devices = append(resp.Devices, deviceSpec(n))
+		}
+		return resp
+	}
+	resp.Envs[EnvVisibleDevices] = strings.Join(host, ",")
 	for _, g := range gpus {
 		resp.CdiDevices = append(resp.CdiDevices, &pluginapi.CDIDevice{Name: fmt.Sprintf("%s=%d", p.cdiKind, g)})
 	}
-	return resp, nil
+	return resp
+}
+
+// deviceSpec is a device node of the host at /dev/<its name> in the
+// container.
+func deviceSpec(host string) *pluginapi.DeviceSpec {
+	return &pluginapi.DeviceSpec{ContainerPath: "/dev/" + filepath.Base(host), HostPath: host, Permissions: "rw"}
 }

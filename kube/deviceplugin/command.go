@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -17,6 +18,7 @@ import (
 	"github.com/mgpu-dev/mgpu/internal/config"
 	"github.com/mgpu-dev/mgpu/internal/device"
 	"github.com/mgpu-dev/mgpu/internal/logging"
+	"github.com/mgpu-dev/mgpu/internal/policy"
 	"github.com/mgpu-dev/mgpu/kube/agentapi"
 	"github.com/mgpu-dev/mgpu/kube/allocview"
 	"github.com/mgpu-dev/mgpu/kube/kubeclient"
@@ -26,26 +28,33 @@ import (
 const help = `mgpu-device-plugin is mgpu's kubelet device plugin. It serves, by the
 node's scheduling mode (the label ` + ModeLabel + `, else --default-mode):
 
-  mode      compute (device plugin)            memory (node capacity)
-  mgpu      ` + string(ResourceName) + `       ` + string(MemoryResourceName) + ` (MiB)
-  core_mem  aliyun.com/gpu-core.percentage     aliyun.com/gpu-mem (GiB)
+  mode      compute (device plugin)            memory
+  mgpu      ` + string(ResourceName) + `       ` + string(MemoryResourceName) + ` (MiB, node capacity)
+  core_mem  aliyun.com/gpu-core.percentage     aliyun.com/gpu-mem (GiB, device plugin)
   default   nvidia.com/gpu (whole GPUs)        none (each GPU with all its memory)
   topology  aliyun.com/gpu (whole GPUs, the    none
             nearest set by the GPUs' topology)
+  cgpu      none: shared equally under the     aliyun.com/gpu-mem (GiB, device plugin),
+            GPUs' burst policy                 isolated
+  share     none, nothing enforced             aliyun.com/gpu-mem, scheduling only
+  mps       NVIDIA MPS (real GPUs only)        aliyun.com/gpu-mem, isolated by MPS
 
 Compute is percent of a GPU's time (100 = one whole GPU, multiples of 100 =
-whole GPUs); the other mode's resources are 0. A mode change waits until no
+whole GPUs); the other modes' resources are 0. A mode change waits until no
 container holds device IDs of the current mode (drain the node's GPU pods).
 Each resource has its socket in the device-plugin directory (` + SocketName + `,
-mgpu-ack-core.sock, mgpu-ack-default.sock, mgpu-ack-topology.sock); the plugin registers with the
-kubelet there, and again whenever the kubelet restarts.
+mgpu-ack-core.sock, mgpu-ack-default.sock, mgpu-ack-topology.sock,
+mgpu-ack-mem.sock); the plugin registers with the kubelet there, and again
+whenever the kubelet restarts.
 
 Each GPU of the node is 100 device IDs (default mode: one, mgpu-<gpu>-00, a
 whole GPU), mgpu-<gpu>-<k> with k = 00..99
 (mgpu-0-00 .. mgpu-0-99 for GPU 0), healthy while the GPU's enforcer
 answers. A container given N < 100 IDs of one GPU gets that GPU's CDI device
 (e.g. mgpu.io/gpu=0) and MGPU_CORE=N; one given all 100 IDs of each of
-several GPUs gets their CDI devices and MGPU_CORE=100. The kubelet's choice
+several GPUs gets their CDI devices and MGPU_CORE=100. aliyun.com/gpu-mem is
+one ID per GiB of each GPU, mgpu-<gpu>-gib-<k>; in cgpu, share and mps a
+container's IDs are all of one GPU, which they choose. The kubelet's choice
 of IDs follows the node's label ack.node.gpu.placement, else --placement
 (binpack fills the fullest GPU first, spread the emptiest).
 
@@ -80,6 +89,7 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	nodeName := fs.String("node-name", "", "the `NAME` of this node's Node object (default $NODE_NAME, else the host name)")
 	nodeInterval := fs.Duration("node-interval", DefaultPublishInterval, "how often to check the Node's labels and capacity and read its "+PlacementLabel+" label (`DURATION`)")
 	podResources := fs.String("pod-resources-socket", DefaultPodResourcesSocket, "the kubelet's PodResources API `SOCKET`")
+	mpsPipe := fs.String("mps-pipe-directory", DefaultMPSPipe, "the NVIDIA MPS control daemon's pipe `DIR` (mode mps), mounted into mps containers")
 	level := fs.String("log-level", "info", "`LEVEL`: debug, info, warn or error")
 	format := fs.String("log-format", "text", "`FORMAT`: text or json")
 	fail := func(status int, format string, a ...any) int {
@@ -108,6 +118,9 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	}
 	if *dir == "" {
 		return fail(2, "--device-plugin-dir is empty")
+	}
+	if !filepath.IsAbs(*mpsPipe) {
+		return fail(2, "--mps-pipe-directory %q: must be an absolute path", *mpsPipe)
 	}
 	log, err := logging.New(stderr, *level, *format)
 	if err != nil {
@@ -176,14 +189,35 @@ func Command(args []string, stdout, stderr io.Writer) int {
 		return fail(2, "%v", err)
 	}
 	defer func() { _ = allocs.Close() }()
+	check := modeCheck(cfg, gpus, *mpsPipe)
+	if err := check(defMode); err != nil {
+		return fail(2, "--default-mode: %v", err)
+	}
 	resolver := NewResolver(node, gpus, NewAPIPods(client, node), allocs)
 	resolver.SetScheme(defMode)
-	// One plugin per scheme; the node's mode (the first publish) decides
-	// which one lists devices.
+	pols := map[int]policy.Policy{}
+	memMiB := map[int]uint64{}
+	bare := map[int][]string{}
+	for _, d := range devs {
+		pols[d.Index] = cfg.Device(d.Index).ComputePolicy
+		memMiB[d.Index] = d.MemoryMiB()
+		bare[d.Index] = d.Nodes
+	}
+	resolver.SetGPUPolicies(pols)
+	control, err := controlNodes(cfg)
+	if err != nil {
+		return fail(1, "%v", err)
+	}
+	// One plugin per resource; the node's mode (the first publish)
+	// decides which ones list devices.
 	var plugins []*Plugin
-	for _, sch := range Schemes {
-		p, err := New(gpus, NewEnforcerCards(cfg, gpus), WithScheme(sch), WithActive(sch.Mode == defMode.Mode),
-			WithDir(*dir), WithPolicy(pol), WithCDIKind(cfg.CDIKind), WithResolver(resolver), WithUUIDs(uuids), WithTopology(dist), WithLogger(log))
+	for _, sch := range PluginSchemes() {
+		opts := []Option{WithScheme(sch), WithDir(*dir), WithPolicy(pol), WithCDIKind(cfg.CDIKind), WithResolver(resolver),
+			WithUUIDs(uuids), WithTopology(dist), WithLogger(log)}
+		if sch.Core == ACKMemory.Core {
+			opts = append(opts, WithMemory(memMiB), WithBareDevices(bare, control), WithMPSPipe(*mpsPipe))
+		}
+		p, err := New(gpus, NewEnforcerCards(cfg, gpus), append(opts, WithMode(defMode))...)
 		if err != nil {
 			return fail(1, "%v", err)
 		}
@@ -195,8 +229,16 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	var wg sync.WaitGroup
 	agentErr := make(chan error, 1)
 	wg.Go(func() { agentErr <- ServeAgent(ctx, agentapi.Socket(cfg.RunDir), resolver, log) })
-	pub := NewNodePublisher(client, node, want, gpuMiB, plugins, pol, log).WithModes(defMode, resolver, allocs).
-		WithAllocation(func(ctx context.Context) allocview.Node { return allocview.Collect(ctx, cfg, devs) })
+	pub := NewNodePublisher(client, node, want, gpuMiB, plugins, pol, log).WithModes(defMode, resolver, allocs).WithModeCheck(check)
+	pub.WithAllocation(func(ctx context.Context) allocview.Node {
+		v := allocview.Collect(ctx, cfg, devs)
+		if cur := pub.Current(); cur != nil && cur.Enforce.Bare() {
+			if err := AddBare(ctx, allocs, &v); err != nil {
+				log.Warn("the allocation annotation leaves out the containers of mode "+cur.Mode, "err", err)
+			}
+		}
+		return v
+	})
 	wg.Go(func() { pub.Run(ctx, *nodeInterval) })
 	runErr := make(chan error, len(plugins))
 	for _, p := range plugins {
@@ -219,6 +261,40 @@ func Command(args []string, stdout, stderr io.Writer) int {
 		log.Info("stopped")
 	}
 	return status
+}
+
+// modeCheck is what a mode needs of this node: cgpu GPUs of a burst
+// policy (under fixed-share each container would be capped at its core),
+// mps real GPUs and an MPS control daemon (mgpu does not simulate MPS).
+func modeCheck(cfg *config.Config, gpus []int, mpsPipe string) func(Scheme) error {
+	return func(s Scheme) error {
+		switch s.Enforce {
+		case EnforceMemory:
+			for _, g := range gpus {
+				if p := cfg.Device(g).ComputePolicy; p == policy.FixedShare {
+					return fmt.Errorf("%s=%s shares compute under the GPUs' own burst policy, and GPU %d runs %s, which would cap each container at %d%%; run guaranteed-burst-share or native-burst-share (the node config's compute_policy)", ModeLabel, s.Mode, g, p, cgpuCore)
+				}
+			}
+		case EnforceMPS:
+			if cfg.Backend == config.BackendSim {
+				return fmt.Errorf("%s=%s needs NVIDIA MPS on real GPUs; this node's GPUs are simulated (backend sim), and mgpu does not simulate MPS", ModeLabel, s.Mode)
+			}
+			if ctl := filepath.Join(mpsPipe, "control"); !isSocket(ctl) {
+				return fmt.Errorf("%s=%s needs an MPS control daemon, and %s is not its socket (start nvidia-cuda-mps-control -d, or set --mps-pipe-directory)", ModeLabel, s.Mode, ctl)
+			}
+		}
+		return nil
+	}
+}
+
+// controlNodes are the device nodes every GPU container needs (host paths).
+func controlNodes(cfg *config.Config) ([]string, error) {
+	b, err := device.Open(cfg)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = b.Close() }()
+	return b.ControlNodes(), nil
 }
 
 // resolveNodeName is --node-name, else $NODE_NAME, else the host name.

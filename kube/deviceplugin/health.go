@@ -83,6 +83,12 @@ func (p *Plugin) devices() ([]*pluginapi.Device, <-chan struct{}) {
 		if h, known := p.healthy[g]; known && !h {
 			health = pluginapi.Unhealthy
 		}
+		if p.memGiB != nil {
+			for _, id := range memIDs(g, p.memGiB[g]) {
+				out = append(out, &pluginapi.Device{ID: id.String(), Health: health})
+			}
+			continue
+		}
 		for _, id := range p.scheme.kubeletIDs(g) {
 			out = append(out, &pluginapi.Device{ID: id.String(), Health: health})
 		}

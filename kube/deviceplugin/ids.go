@@ -54,3 +54,41 @@ func gpuIDs(gpu int) []ID {
 	}
 	return ids
 }
+
+// MemID is one device ID of the memory plugin (ACKMemory): one GiB of one
+// GPU, mgpu-<gpu>-gib-<k> with k from 0 to the GPU's GiB less one.
+type MemID struct {
+	GPU int // NVML index
+	K   int // 0..GiB-1
+}
+
+// memInfix separates a MemID's GPU from its k.
+const memInfix = "-gib-"
+
+// String returns the ID as the kubelet sees it, e.g. mgpu-1-gib-7.
+func (id MemID) String() string { return fmt.Sprintf("%s%d%s%d", idPrefix, id.GPU, memInfix, id.K) }
+
+// ParseMemID reads an ID written by MemID.String; anything else is an
+// error.
+func ParseMemID(s string) (MemID, error) {
+	rest, ok := strings.CutPrefix(s, idPrefix)
+	g, k, ok2 := strings.Cut(rest, memInfix)
+	if ok && ok2 {
+		gpu, err1 := strconv.Atoi(g)
+		kk, err2 := strconv.Atoi(k)
+		id := MemID{GPU: gpu, K: kk}
+		if err1 == nil && err2 == nil && gpu >= 0 && kk >= 0 && id.String() == s {
+			return id, nil
+		}
+	}
+	return MemID{}, fmt.Errorf("%q is not an %s device ID (want mgpu-<gpu>-gib-<k>)", s, ACKMemory.Core)
+}
+
+// memIDs returns the IDs of a GPU of gib GiB, k ascending.
+func memIDs(gpu, gib int) []MemID {
+	ids := make([]MemID, gib)
+	for k := range ids {
+		ids[k] = MemID{GPU: gpu, K: k}
+	}
+	return ids
+}

@@ -2,6 +2,8 @@ package deviceplugin
 
 import (
 	"context"
+	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -20,17 +22,16 @@ import (
 
 func TestParseMode(t *testing.T) {
 	t.Parallel()
-	for v, want := range map[string]string{"mgpu": "mgpu", "core_mem": "core_mem", "default": "default", "topology": "topology"} {
+	for v, want := range map[string]string{"mgpu": "mgpu", "core_mem": "core_mem", "default": "default", "topology": "topology",
+		"cgpu": "cgpu", "share": "share", "mps": "mps"} {
 		s, err := ParseMode(v)
 		if err != nil || s.Mode != want {
 			t.Errorf("ParseMode(%q) = %+v, %v", v, s, err)
 		}
 	}
 	for v, want := range map[string]string{
-		"cgpu":     "ack.node.gpu.schedule=cgpu is not supported by this version of mgpu (it serves mgpu, core_mem, default and topology)",
-		"mps":      "ack.node.gpu.schedule=mps is not supported by this version of mgpu (it serves mgpu, core_mem, default and topology)",
-		"Core_Mem": `ack.node.gpu.schedule="Core_Mem" is not a mode (mgpu serves mgpu, core_mem, default and topology)`,
-		"":         `ack.node.gpu.schedule="" is not a mode (mgpu serves mgpu, core_mem, default and topology)`,
+		"Core_Mem": `ack.node.gpu.schedule="Core_Mem" is not a mode (mgpu serves mgpu, core_mem, default, topology, cgpu, share and mps)`,
+		"":         `ack.node.gpu.schedule="" is not a mode (mgpu serves mgpu, core_mem, default, topology, cgpu, share and mps)`,
 	} {
 		if _, err := ParseMode(v); err == nil || err.Error() != want {
 			t.Errorf("ParseMode(%q): %v, want %q", v, err, want)
@@ -262,18 +263,36 @@ func TestNodeModes(t *testing.T) {
 	ctx := context.Background()
 	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}})
 	var plugins []*Plugin
-	for _, s := range Schemes {
-		p, err := New([]int{0, 1}, newFakeCards(0, 1), WithScheme(s), WithLogger(testLogger()))
+	var mem *Plugin
+	for _, s := range PluginSchemes() {
+		opts := []Option{WithScheme(s), WithLogger(testLogger())}
+		if s.Core == ACKMemory.Core {
+			opts = append(opts, WithMemory(map[int]uint64{0: 81920, 1: 81920}))
+		}
+		p, err := New([]int{0, 1}, newFakeCards(0, 1), append(opts, WithMode(SchemeMGPU))...)
 		if err != nil {
 			t.Fatal(err)
 		}
 		plugins = append(plugins, p)
+		if s.Core == ACKMemory.Core {
+			mem = p
+		}
 	}
 	r := NewResolver("n1", []int{0, 1}, &fakePods{}, &fakeAllocs{})
 	allocs := &fakeAllocs{}
-	n := NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs)
+	noMPS := func(s Scheme) error {
+		if s.Enforce == EnforceMPS {
+			return errors.New("no MPS here")
+		}
+		return nil
+	}
+	n := NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs).WithModeCheck(noMPS)
 
-	check := func(when, mode string, mgpuMem, gpuMem string) {
+	// check publishes and checks the mode, the plugins that list devices
+	// (the resources the kubelet sets: memDevs of aliyun.com/gpu-mem) and
+	// the capacity the agent sets, mgpu-memory (aliyun.com/gpu-mem is the
+	// memory plugin's, never patched).
+	check := func(when, mode string, mgpuMem string, memDevs int) {
 		t.Helper()
 		if err := n.Publish(ctx); err != nil {
 			t.Fatalf("%s: %v", when, err)
@@ -286,17 +305,23 @@ func TestNodeModes(t *testing.T) {
 			t.Fatalf("%s: mode %s, resolver %s, want %s", when, n.Current().Mode, r.Scheme().Mode, mode)
 		}
 		for _, p := range plugins {
-			if p.Active() != (p.Scheme().Mode == mode) {
-				t.Fatalf("%s: plugin of %s active=%v", when, p.Scheme().Mode, p.Active())
+			if want := slices.Contains(n.Current().Resources(), p.Scheme().Core); p.Active() != want {
+				t.Fatalf("%s: plugin of %s active=%v", when, p.Scheme().Core, p.Active())
+			}
+			if p.NodeScheme().Mode != mode {
+				t.Fatalf("%s: plugin of %s was told mode %s", when, p.Scheme().Core, p.NodeScheme().Mode)
 			}
 		}
-		for res, want := range map[corev1.ResourceName]string{MemoryResourceName: mgpuMem, SchemeCoreMem.Memory: gpuMem} {
-			if q := node.Status.Capacity[res]; q.String() != want {
-				t.Fatalf("%s: capacity %s = %s, want %s", when, res, q.String(), want)
-			}
+		if devs, _ := mem.devices(); len(devs) != memDevs {
+			t.Fatalf("%s: the memory plugin lists %d IDs, want %d", when, len(devs), memDevs)
 		}
-		if _, ok := node.Status.Capacity[""]; ok {
-			t.Fatalf("%s: a capacity without a name", when)
+		if q := node.Status.Capacity[MemoryResourceName]; q.String() != mgpuMem {
+			t.Fatalf("%s: capacity %s = %s, want %s", when, MemoryResourceName, q.String(), mgpuMem)
+		}
+		for _, res := range []corev1.ResourceName{"", ACKMemory.Core} {
+			if _, ok := node.Status.Capacity[res]; ok {
+				t.Fatalf("%s: the agent set capacity %q", when, res)
+			}
 		}
 	}
 	setLabel := func(v string) {
@@ -317,29 +342,55 @@ func TestNodeModes(t *testing.T) {
 		}
 	}
 
-	check("no label", "mgpu", "163840", "0")
+	check("no label", "mgpu", "163840", 0)
 	setLabel("core_mem")
-	check("core_mem, node empty", "core_mem", "0", "160")
+	check("core_mem, node empty", "core_mem", "0", 160)
 	// A pod of core_mem runs: a change back waits for it.
 	allocs.allocs = []Allocation{{Namespace: "ns", Pod: "a", Container: "main", Resource: SchemeCoreMem.Core, IDs: ids(0, 0, 30)}}
 	setLabel("mgpu")
-	check("mgpu while a core_mem pod runs", "core_mem", "0", "160")
-	setLabel("cgpu")
-	check("an unsupported mode", "core_mem", "0", "160")
+	check("mgpu while a core_mem pod runs", "core_mem", "0", 160)
+	setLabel("exclusive")
+	check("not a mode", "core_mem", "0", 160)
 	setLabel("")
-	check("label removed while the pod runs", "core_mem", "0", "160")
+	check("label removed while the pod runs", "core_mem", "0", 160)
 	allocs.allocs = nil
-	check("label removed, node empty", "mgpu", "163840", "0")
+	check("label removed, node empty", "mgpu", "163840", 0)
 	setLabel("default")
-	check("default: whole GPUs, no memory resource", "default", "0", "0")
+	check("default: whole GPUs, no memory resource", "default", "0", 0)
+	setLabel("cgpu")
+	check("cgpu: memory alone", "cgpu", "0", 160)
+	// A cgpu pod holds only memory IDs; share waits for it too.
+	allocs.allocs = []Allocation{{Namespace: "ns", Pod: "b", Container: "main", Resource: ACKMemory.Core, IDs: []string{"mgpu-0-gib-0"}}}
+	setLabel("share")
+	check("share while a cgpu pod runs", "cgpu", "0", 160)
+	allocs.allocs = nil
+	check("share, node empty", "share", "0", 160)
+	setLabel("mps")
+	check("mps refused by the node's check", "share", "0", 160)
 	setLabel("")
-	check("back to mgpu", "mgpu", "163840", "0")
+	check("back to mgpu", "mgpu", "163840", 0)
 
 	// An agent that starts on a node whose containers hold core_mem IDs
-	// serves core_mem whatever the label says.
-	allocs.allocs = []Allocation{{Namespace: "ns", Pod: "a", Container: "main", Resource: SchemeCoreMem.Core, IDs: ids(0, 0, 30)}}
-	n = NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs)
-	check("restart with a core_mem pod", "core_mem", "0", "160")
+	// serves core_mem whatever the label says; one whose containers hold
+	// memory IDs alone serves the label's mode of memory alone, else cgpu.
+	restart := func(label string, held []Allocation) {
+		setLabel(label)
+		allocs.allocs = held
+		n = NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs)
+	}
+	coreMem := []Allocation{
+		{Namespace: "ns", Pod: "a", Container: "main", Resource: SchemeCoreMem.Core, IDs: ids(0, 0, 30)},
+		{Namespace: "ns", Pod: "a", Container: "main", Resource: ACKMemory.Core, IDs: []string{"mgpu-0-gib-0"}},
+	}
+	memOnly := []Allocation{{Namespace: "ns", Pod: "b", Container: "main", Resource: ACKMemory.Core, IDs: []string{"mgpu-1-gib-0"}}}
+	restart("", coreMem)
+	check("restart with a core_mem pod", "core_mem", "0", 160)
+	restart("cgpu", coreMem)
+	check("restart with a core_mem pod, labelled cgpu", "core_mem", "0", 160)
+	restart("share", memOnly)
+	check("restart with a memory pod, labelled share", "share", "0", 160)
+	restart("mgpu", memOnly)
+	check("restart with a memory pod, labelled mgpu", "cgpu", "0", 160)
 }
 
 // The node's allocation annotation is written when the enforcers' view

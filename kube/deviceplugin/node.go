@@ -56,6 +56,7 @@ type NodePublisher struct {
 	refused    string  // the label value last said to be unsupported
 
 	collect func(context.Context) allocview.Node // nil: no allocation annotation
+	check   func(Scheme) error                   // nil: every mode suits the node
 }
 
 // allocRefresh is the age after which the allocation annotation is written
@@ -155,9 +156,9 @@ func (n *NodePublisher) Publish(ctx context.Context) error {
 	}
 
 	capacity := map[string]string{}
-	for _, s := range n.schemes() {
-		if s.Memory == "" {
-			continue // a Whole scheme's memory goes with its GPUs
+	for _, s := range Schemes {
+		if s.Memory == "" || s.MemoryIDs {
+			continue // a Whole scheme's memory goes with its GPUs; the memory plugin's is the kubelet's to set
 		}
 		want := "0"
 		if n.current != nil && s.Mode == n.current.Mode {
@@ -198,13 +199,82 @@ func (n *NodePublisher) publishAllocation(ctx context.Context, old string) error
 	return nil
 }
 
-// schemes are the schemes of the plugins, in their order.
-func (n *NodePublisher) schemes() []Scheme {
-	out := make([]Scheme, len(n.plugins))
-	for i, p := range n.plugins {
-		out[i] = p.Scheme()
+// AddBare adds to view what the kubelet's allocations give containers of
+// a bare scheme (share, mps), which are no enforcer's instances: each
+// container's aliyun.com/gpu-mem on its GPU, as one more instance (a GPU
+// whose enforcer does not answer shows none, as for instances).
+func AddBare(ctx context.Context, allocs AllocationSource, view *allocview.Node) error {
+	as, err := allocs.Allocations(ctx)
+	if err != nil {
+		return err
 	}
-	return out
+	for _, a := range as {
+		if a.Resource != ACKMemory.Core {
+			continue
+		}
+		per := map[int]uint64{}
+		for _, s := range a.IDs {
+			if id, err := ParseMemID(s); err == nil {
+				per[id.GPU] += ACKMemory.MemoryUnitMiB
+			}
+		}
+		for i := range view.GPUs {
+			g := &view.GPUs[i]
+			if mib, ok := per[g.Index]; ok && g.Running {
+				g.AllocatedMiB += mib
+				g.Instances++
+			}
+		}
+	}
+	return nil
+}
+
+// heldScheme is the scheme whose device-plugin resources are the held
+// ones: want if its resources include them all, else the first scheme
+// whose resources are exactly them, else the first whose resources
+// include them, else the first holding any (containers of two modes). ok
+// is false when nothing is held.
+func heldScheme(held map[corev1.ResourceName]int, want Scheme) (Scheme, bool) {
+	if len(held) == 0 {
+		return want, false
+	}
+	covers := func(s Scheme) bool {
+		for r := range held {
+			if !slices.Contains(s.Resources(), r) {
+				return false
+			}
+		}
+		return true
+	}
+	if covers(want) {
+		return want, true
+	}
+	for _, s := range Schemes {
+		if covers(s) && len(s.Resources()) == len(held) {
+			return s, true
+		}
+	}
+	for _, s := range Schemes {
+		if covers(s) {
+			return s, true
+		}
+	}
+	for _, s := range Schemes {
+		for _, r := range s.Resources() {
+			if held[r] > 0 {
+				return s, true
+			}
+		}
+	}
+	return want, true
+}
+
+// WithModeCheck makes the publisher refuse a mode label whose scheme
+// check finds wrong for this node (its GPUs' policies, MPS), as one that
+// is not served: logged once, the mode kept.
+func (n *NodePublisher) WithModeCheck(check func(Scheme) error) *NodePublisher {
+	n.check = check
+	return n
 }
 
 // applyMode works out the node's scheme from its mode label and switches
@@ -220,6 +290,9 @@ func (n *NodePublisher) applyMode(ctx context.Context, labels map[string]string)
 	want := n.defaultSch
 	if v, ok := labels[ModeLabel]; ok {
 		s, err := ParseMode(v)
+		if err == nil && n.check != nil {
+			err = n.check(s)
+		}
 		switch {
 		case err != nil && n.current != nil:
 			if n.refused != v {
@@ -252,25 +325,28 @@ func (n *NodePublisher) applyMode(ctx context.Context, labels map[string]string)
 		}
 	}
 	if n.current == nil {
-		// At start: a scheme that containers hold is the node's,
+		// At start: the scheme that containers hold is the node's,
 		// whatever the label says now.
-		for _, s := range n.schemes() {
-			if held[s.Core] > 0 && s.Mode != want.Mode {
-				n.log.Warn("containers hold device IDs of another mode than the label's; keeping it until they are gone", "mode", s.Mode, "label", want.Mode, "containers", held[s.Core])
-				want = s
-				break
+		if s, ok := heldScheme(held, want); ok && s.Mode != want.Mode {
+			n.log.Warn("containers hold device IDs of another mode than the label's; keeping it until they are gone", "mode", s.Mode, "label", want.Mode, "resources", s.Resources())
+			want = s
+		}
+	} else {
+		k := 0
+		for _, r := range n.current.Resources() {
+			k += held[r]
+		}
+		if k > 0 {
+			if n.deferred != want.Mode {
+				n.log.Warn("mode change waits until no container holds the current mode's device IDs (drain the node's GPU pods)",
+					"from", n.current.Mode, "to", want.Mode, "containers", k, "resources", n.current.Resources())
+				n.deferred = want.Mode
 			}
+			return nil
 		}
-	} else if k := held[n.current.Core]; k > 0 {
-		if n.deferred != want.Mode {
-			n.log.Warn("mode change waits until no container holds the current mode's device IDs (drain the node's GPU pods)",
-				"from", n.current.Mode, "to", want.Mode, "containers", k, "resource", n.current.Core)
-			n.deferred = want.Mode
-		}
-		return nil
 	}
 	for _, p := range n.plugins {
-		p.SetActive(p.Scheme().Mode == want.Mode)
+		p.SetMode(want)
 	}
 	if n.resolver != nil {
 		n.resolver.SetScheme(want)

@@ -64,6 +64,18 @@ type Plugin struct {
 	log      *slog.Logger
 	dist     func(a, b int) int // link rank of two GPUs (topology mode); nil: all alike
 
+	// The memory plugin (WithMemory): GiB of each GPU; nil for a plugin
+	// of a Core resource.
+	memGiB map[int]int
+	// nodeScheme is the node's scheme, as SetMode last told it; the
+	// memory plugin's answers depend on it.
+	nodeScheme atomic.Pointer[Scheme]
+	// A bare GPU (share, mps): its device nodes by GPU and the control
+	// nodes every GPU container needs, host paths.
+	bareNodes   map[int][]string
+	bareControl []string
+	mpsPipe     string // the MPS control daemon's pipe directory
+
 	mu      sync.Mutex
 	active  bool          // the node's mode is the scheme's: devices are listed
 	healthy map[int]bool  // by GPU index; absent: not polled yet (healthy)
@@ -85,6 +97,62 @@ func WithTopology(dist func(a, b int) int) Option { return func(p *Plugin) { p.d
 // WithActive sets whether the plugin starts active (default true): an
 // inactive plugin lists no devices and allocates none.
 func WithActive(active bool) Option { return func(p *Plugin) { p.active = active } }
+
+// WithMode starts the plugin as SetMode(s) would set it.
+func WithMode(s Scheme) Option {
+	return func(p *Plugin) { p.nodeScheme.Store(&s); p.active = p.Serves(s) }
+}
+
+// WithMemory makes the plugin the memory plugin: it serves ACKMemory, one
+// device ID per GiB of each GPU (memory in MiB by index, rounded down to
+// whole GiB), and answers as the node's scheme (SetMode) says. Give it
+// before WithMode.
+func WithMemory(gpuMiB map[int]uint64) Option {
+	return func(p *Plugin) {
+		p.scheme = ACKMemory
+		p.memGiB = map[int]int{}
+		for g, m := range gpuMiB {
+			p.memGiB[g] = int(m / ACKMemory.MemoryUnitMiB)
+		}
+	}
+}
+
+// WithBareDevices names the device nodes (host paths) of each GPU and the
+// control nodes, which the memory plugin gives a container of a bare
+// scheme (share, mps) instead of mgpu's CDI device.
+func WithBareDevices(nodes map[int][]string, control []string) Option {
+	return func(p *Plugin) { p.bareNodes, p.bareControl = maps.Clone(nodes), slices.Clone(control) }
+}
+
+// WithMPSPipe sets the pipe directory of the MPS control daemon, which
+// mps containers get mounted (default DefaultMPSPipe).
+func WithMPSPipe(dir string) Option { return func(p *Plugin) { p.mpsPipe = dir } }
+
+// Serves reports whether the plugin lists its devices when the node's
+// scheme is s: s's Core is the plugin's resource, or (the memory plugin)
+// s's Memory is, as device IDs.
+func (p *Plugin) Serves(s Scheme) bool {
+	if p.memGiB != nil {
+		return s.MemoryIDs && s.Memory == p.scheme.Core
+	}
+	return s.Core != "" && s.Core == p.scheme.Core
+}
+
+// SetMode tells the plugin the node's scheme: it is active when it serves
+// it (Serves), and the memory plugin answers as s says.
+func (p *Plugin) SetMode(s Scheme) {
+	p.nodeScheme.Store(&s)
+	p.SetActive(p.Serves(s))
+}
+
+// NodeScheme is the node's scheme as SetMode last told it; before that,
+// the plugin's own.
+func (p *Plugin) NodeScheme() Scheme {
+	if s := p.nodeScheme.Load(); s != nil {
+		return *s
+	}
+	return p.scheme
+}
 
 // SetActive makes the plugin list its devices (true) or none (false); the
 // kubelet hears of it at once through ListAndWatch. The node's mode
@@ -112,7 +180,8 @@ func (p *Plugin) Active() bool {
 	return p.active
 }
 
-// Scheme is the scheme whose Core resource the plugin serves.
+// Scheme is the scheme whose Core resource the plugin serves (ACKMemory
+// for the memory plugin).
 func (p *Plugin) Scheme() Scheme { return p.scheme }
 
 // WithDir sets the device-plugin directory (default DefaultDir).
@@ -164,6 +233,7 @@ func New(gpus []int, src CardSource, opts ...Option) (*Plugin, error) {
 		healthy:  map[int]bool{},
 		changed:  make(chan struct{}),
 		repoll:   make(chan struct{}, 1),
+		mpsPipe:  DefaultMPSPipe,
 	}
 	for _, o := range opts {
 		o(p)

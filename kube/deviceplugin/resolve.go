@@ -71,6 +71,17 @@ func (s Scheme) RequestOf(c *corev1.Container) (ContainerRequest, error) {
 		return q, ok
 	}
 	var r ContainerRequest
+	if s.Core == "" { // memory alone (cgpu, share, mps)
+		if q, ok := get(s.Memory); ok {
+			v, whole := q.AsInt64()
+			maxUnits := hook.MaxMemoryMiB / s.MemoryUnitMiB
+			if !whole || v < 1 || uint64(v) > maxUnits {
+				return r, fmt.Errorf("%s %s is not a whole number of %s from 1 to %d", s.Memory, q.String(), s.unitName(), maxUnits)
+			}
+			r.MemoryMiB = uint64(v) * s.MemoryUnitMiB
+		}
+		return r, nil
+	}
 	if s.Whole {
 		if q, ok := get(s.Core); ok {
 			v, whole := q.AsInt64()
@@ -152,7 +163,13 @@ type Resolver struct {
 	pods   PodSource
 	allocs AllocationSource
 	scheme atomic.Pointer[Scheme]
+	gpuPol map[int]policy.Policy // each GPU's policy (EnforceMemory's)
 }
+
+// SetGPUPolicies tells the resolver the compute policy of each GPU (the
+// node config's), which a cgpu container's instance runs under. Call it
+// before serving.
+func (r *Resolver) SetGPUPolicies(p map[int]policy.Policy) { r.gpuPol = maps.Clone(p) }
 
 // NewResolver returns the resolver of node, whose GPUs are gpus.
 func NewResolver(node string, gpus []int, pods PodSource, allocs AllocationSource) *Resolver {
@@ -210,6 +227,9 @@ func (r *Resolver) Resolve(ctx context.Context, c agentapi.Container) (agentapi.
 	req, err := sch.RequestOf(spec)
 	if err != nil {
 		return agentapi.Assignment{}, refuse(c, "%v", err)
+	}
+	if sch.Core == "" {
+		return r.resolveMemory(ctx, c, pod, sch, req)
 	}
 	if req.Core == 0 {
 		return agentapi.Assignment{}, refuse(c, "it has an mgpu device but requests no %s (the node's %s is %s); request the GPU through the resource, not the CDI device", sch.Core, ModeLabel, sch.Mode)
@@ -353,4 +373,52 @@ func (r *Resolver) pendingMemory(ctx context.Context, size int) (commitment, err
 		}
 	}
 	return out, nil
+}
+
+// resolveMemory is Resolve under a scheme of memory alone: cgpu's
+// instance of the requested memory and core cgpuCore under its GPU's
+// policy, on the GPU of the kubelet's aliyun.com/gpu-mem IDs. The bare
+// schemes (share, mps) give no mgpu device, so a container with one is
+// refused.
+func (r *Resolver) resolveMemory(ctx context.Context, c agentapi.Container, pod *corev1.Pod, sch Scheme, req ContainerRequest) (agentapi.Assignment, error) {
+	if sch.Enforce != EnforceMemory {
+		return agentapi.Assignment{}, refuse(c, "it has an mgpu device, and the node's %s is %s, whose containers get the GPU without mgpu; request it through %s", ModeLabel, sch.Mode, sch.Memory)
+	}
+	if req.MemoryMiB == 0 {
+		return agentapi.Assignment{}, refuse(c, "it has an mgpu device but requests no %s (the node's %s is %s); request the GPU through the resource, not the CDI device", sch.Memory, ModeLabel, sch.Mode)
+	}
+	allocs, err := r.allocs.Allocations(ctx)
+	if err != nil {
+		return agentapi.Assignment{}, refuse(c, "reading the kubelet's allocations: %v", err)
+	}
+	ids := idsOf(allocs, sch.Memory, c.Namespace, c.Pod, c.Container)
+	gib := req.MemoryMiB / sch.MemoryUnitMiB
+	if uint64(len(ids)) != gib {
+		return agentapi.Assignment{}, refuse(c, "it requests %s %d, and the kubelet allocated %d of its device IDs", sch.Memory, gib, len(ids))
+	}
+	gpus := map[int]bool{}
+	seen := map[MemID]bool{}
+	for _, s := range ids {
+		id, err := ParseMemID(s)
+		if err != nil {
+			return agentapi.Assignment{}, refuse(c, "the kubelet allocated %v", err)
+		}
+		if !slices.Contains(r.gpus, id.GPU) || seen[id] {
+			return agentapi.Assignment{}, refuse(c, "the kubelet allocated device ID %s, which this node does not serve (or twice)", s)
+		}
+		seen[id] = true
+		gpus[id.GPU] = true
+	}
+	if len(gpus) != 1 {
+		return agentapi.Assignment{}, refuse(c, "%s %d must come from one GPU; the kubelet allocated IDs of %d GPUs", sch.Memory, gib, len(gpus))
+	}
+	g := slices.Collect(maps.Keys(gpus))[0]
+	pol, ok := r.gpuPol[g]
+	if !ok {
+		return agentapi.Assignment{}, refuse(c, "the compute policy of GPU %d is not known", g)
+	}
+	if v, ok := pod.Annotations[PolicyKey]; ok && v != pol.String() {
+		return agentapi.Assignment{}, refuse(c, "annotation %s is %q; under %s=%s a container runs under its GPU's policy, %s (remove the annotation)", PolicyKey, v, ModeLabel, sch.Mode, pol)
+	}
+	return agentapi.Assignment{Container: c, Policy: pol.String(), GPUs: []agentapi.GPU{{Index: g, Core: cgpuCore, MemoryMiB: req.MemoryMiB}}}, nil
 }

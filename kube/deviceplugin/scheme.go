@@ -2,7 +2,6 @@ package deviceplugin
 
 import (
 	"fmt"
-	"slices"
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
@@ -40,6 +39,50 @@ type Scheme struct {
 	// Topology: a Whole scheme whose GPUs are chosen nearest each other
 	// (placement.PlaceNear), not by the placement policy.
 	Topology bool
+	// MemoryIDs: Memory is a device-plugin resource of one ID per unit of
+	// each GPU (MemID), served by the memory plugin (ACKMemory), not node
+	// capacity. With a Core, its IDs only count (the core IDs choose the
+	// GPU); without one (Core ""), they choose the GPU.
+	MemoryIDs bool
+	// Enforce is what mgpu enforces of a container of the scheme.
+	Enforce Enforcement
+}
+
+// Enforcement is what mgpu enforces of a scheme's containers.
+type Enforcement int
+
+const (
+	// EnforceQuotas is an mgpu instance of the requested core and memory
+	// under the pod's policy.
+	EnforceQuotas Enforcement = iota
+	// EnforceMemory (ACK's cgpu) is an mgpu instance of the requested
+	// memory and core 1 under the GPU's own policy, which must be a burst
+	// policy: containers with demand share the GPU equally and a lone one
+	// takes all of it.
+	EnforceMemory
+	// EnforceNone (ACK's share) is the GPU without mgpu's hook or shim; the
+	// memory request only schedules.
+	EnforceNone
+	// EnforceMPS (ACK's mps) is the GPU without mgpu's hook or shim, the
+	// memory quota given to NVIDIA MPS (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT).
+	EnforceMPS
+)
+
+// Bare reports whether the scheme's containers get the GPU without mgpu's
+// hook and shim (no instance).
+func (e Enforcement) Bare() bool { return e == EnforceNone || e == EnforceMPS }
+
+// Resources are the device-plugin resources of the scheme: its Core, and
+// its Memory with MemoryIDs.
+func (s Scheme) Resources() []corev1.ResourceName {
+	var out []corev1.ResourceName
+	if s.Core != "" {
+		out = append(out, s.Core)
+	}
+	if s.MemoryIDs {
+		out = append(out, s.Memory)
+	}
+	return out
 }
 
 // The schemes mgpu serves.
@@ -50,7 +93,7 @@ var (
 	SchemeMGPU = Scheme{Mode: "mgpu", Core: ResourceName, Memory: MemoryResourceName, MemoryUnitMiB: 1, Socket: SocketName}
 	// SchemeCoreMem is ACK's core_mem: aliyun.com/gpu-core.percentage and
 	// aliyun.com/gpu-mem (GiB), both isolated.
-	SchemeCoreMem = Scheme{Mode: "core_mem", Core: "aliyun.com/gpu-core.percentage", Memory: "aliyun.com/gpu-mem", MemoryUnitMiB: 1024, Socket: "mgpu-ack-core.sock"}
+	SchemeCoreMem = Scheme{Mode: "core_mem", Core: "aliyun.com/gpu-core.percentage", Memory: ACKMemory.Core, MemoryUnitMiB: 1024, Socket: "mgpu-ack-core.sock", MemoryIDs: true}
 	// SchemeDefault is ACK's default mode: exclusive whole GPUs as
 	// nvidia.com/gpu, the resource of NVIDIA's own device plugin (which
 	// must then not run on the node).
@@ -58,15 +101,38 @@ var (
 	// SchemeTopology is ACK's topology-aware mode: whole GPUs as
 	// aliyun.com/gpu, a container's GPUs the nearest set free.
 	SchemeTopology = Scheme{Mode: "topology", Core: "aliyun.com/gpu", Socket: "mgpu-ack-topology.sock", Whole: true, Topology: true}
+	// SchemeCGPU is ACK's cgpu: aliyun.com/gpu-mem (GiB) alone, memory
+	// isolated, compute shared (EnforceMemory).
+	SchemeCGPU = Scheme{Mode: "cgpu", Memory: ACKMemory.Core, MemoryUnitMiB: 1024, MemoryIDs: true, Enforce: EnforceMemory}
+	// SchemeShare is ACK's share: aliyun.com/gpu-mem schedules, nothing
+	// is enforced (EnforceNone).
+	SchemeShare = Scheme{Mode: "share", Memory: ACKMemory.Core, MemoryUnitMiB: 1024, MemoryIDs: true, Enforce: EnforceNone}
+	// SchemeMPS is ACK's mps: aliyun.com/gpu-mem, the memory isolated by
+	// NVIDIA MPS (EnforceMPS); real GPUs with an MPS control daemon only.
+	SchemeMPS = Scheme{Mode: "mps", Memory: ACKMemory.Core, MemoryUnitMiB: 1024, MemoryIDs: true, Enforce: EnforceMPS}
+
+	// ACKMemory is not a mode: it is the resource of the memory plugin,
+	// aliyun.com/gpu-mem in GiB, one device ID per GiB of each GPU, which
+	// every mode of ACK that counts memory (core_mem, cgpu, share, mps)
+	// serves through it (MemoryIDs).
+	ACKMemory = Scheme{Core: "aliyun.com/gpu-mem", MemoryUnitMiB: 1024, Socket: "mgpu-ack-mem.sock"}
 )
 
 // Schemes lists every scheme the node agent serves, each through its own
 // plugin; the inactive ones advertise no devices and no memory.
-var Schemes = []Scheme{SchemeMGPU, SchemeCoreMem, SchemeDefault, SchemeTopology}
+var Schemes = []Scheme{SchemeMGPU, SchemeCoreMem, SchemeDefault, SchemeTopology, SchemeCGPU, SchemeShare, SchemeMPS}
 
-// unsupportedModes are ACK's other values of ModeLabel, which this version
-// does not serve.
-var unsupportedModes = []string{"cgpu", "share", "mps"}
+// PluginSchemes are the plugins the node agent runs, one per device-plugin
+// resource: each scheme's Core, and the memory plugin (ACKMemory).
+func PluginSchemes() []Scheme {
+	var out []Scheme
+	for _, s := range Schemes {
+		if s.Core != "" {
+			out = append(out, s)
+		}
+	}
+	return append(out, ACKMemory)
+}
 
 // ParseMode returns the scheme of a ModeLabel value ("" is not a value:
 // the caller falls back to its default).
@@ -75,9 +141,6 @@ func ParseMode(v string) (Scheme, error) {
 		if v == s.Mode {
 			return s, nil
 		}
-	}
-	if slices.Contains(unsupportedModes, v) {
-		return Scheme{}, fmt.Errorf("%s=%s is not supported by this version of mgpu (it serves %s)", ModeLabel, v, modeNames())
 	}
 	return Scheme{}, fmt.Errorf("%s=%q is not a mode (mgpu serves %s)", ModeLabel, v, modeNames())
 }
@@ -94,7 +157,7 @@ func modeNames() string {
 // GPU's MiB in whole units (rounded down: never more than a card has),
 // summed.
 func (s Scheme) MemoryUnits(gpuMiB []uint64) uint64 {
-	if s.Memory == "" {
+	if s.Memory == "" || s.MemoryUnitMiB == 0 {
 		return 0
 	}
 	var n uint64

@@ -82,11 +82,11 @@ func (p *PodResources) Allocations(ctx context.Context) ([]Allocation, error) {
 		for _, c := range pod.GetContainers() {
 			by := map[corev1.ResourceName][]string{}
 			for _, d := range c.GetDevices() {
-				if r := corev1.ResourceName(d.GetResourceName()); isCoreResource(r) {
+				if r := corev1.ResourceName(d.GetResourceName()); isPluginResource(r) {
 					by[r] = append(by[r], d.GetDeviceIds()...)
 				}
 			}
-			for _, s := range Schemes {
+			for _, s := range PluginSchemes() {
 				if ids := by[s.Core]; len(ids) > 0 {
 					out = append(out, Allocation{Namespace: pod.GetNamespace(), Pod: pod.GetName(), Container: c.GetName(), Resource: s.Core, IDs: ids})
 				}
@@ -96,9 +96,10 @@ func (p *PodResources) Allocations(ctx context.Context) ([]Allocation, error) {
 	return out, nil
 }
 
-// isCoreResource reports whether r is the Core resource of a scheme.
-func isCoreResource(r corev1.ResourceName) bool {
-	for _, s := range Schemes {
+// isPluginResource reports whether r is the resource of one of the node
+// agent's plugins.
+func isPluginResource(r corev1.ResourceName) bool {
+	for _, s := range PluginSchemes() {
 		if s.Core == r {
 			return true
 		}

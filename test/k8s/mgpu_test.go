@@ -536,6 +536,8 @@ func TestMGPU(t *testing.T) {
 	t.Run("Placement", func(t *testing.T) { testPlacement(t, m) })
 	t.Run("TenPods", func(t *testing.T) { testTenPods(t, m) })
 	t.Run("KubeletRestart", func(t *testing.T) { testKubeletRestart(t, m) })
+	t.Run("CGPU", func(t *testing.T) { testCGPU(t, m) })
+	t.Run("Share", func(t *testing.T) { testShare(t, m) })
 }
 
 func fakeEnvOf(m *mgpuNode) {
@@ -778,6 +780,14 @@ type inspectGPUs []struct {
 // allocated MiB per GPU want, and logs both tables.
 func (m *mgpuNode) checkClusterInspect(t *testing.T, want []uint64) {
 	t.Helper()
+	m.inspectCluster(t, want, true)
+}
+
+// inspectCluster waits until `mgpu-cli inspect --cluster` shows allocated
+// MiB per GPU want (and, with local, the node's GPUs as the local
+// `mgpu-cli inspect` does), and logs the table.
+func (m *mgpuNode) inspectCluster(t *testing.T, want []uint64, sameAsLocal bool) {
+	t.Helper()
 	cli := func(args ...string) (string, error) {
 		out, err := exec.Command(m.n.CLI, args...).Output() //nolint:gosec // the build's CLI
 		return string(out), err
@@ -785,14 +795,8 @@ func (m *mgpuNode) checkClusterInspect(t *testing.T, want []uint64) {
 	var local, cluster string
 	err := harness.WaitFor(20*time.Second, func() error {
 		var err error
-		if local, err = cli("--config", m.n.ConfigPath, "inspect", "--output", "json", "--node-name", m.NodeName); err != nil {
-			return fmt.Errorf("inspect: %w", err)
-		}
 		if cluster, err = cli("inspect", "--cluster", "--kubeconfig", m.AdminKubeconfig, "--output", "json"); err != nil {
 			return fmt.Errorf("inspect --cluster: %w", err)
-		}
-		var l struct {
-			GPUs inspectGPUs `json:"gpus"`
 		}
 		var c struct {
 			Nodes []struct {
@@ -800,10 +804,27 @@ func (m *mgpuNode) checkClusterInspect(t *testing.T, want []uint64) {
 				GPUs inspectGPUs `json:"gpus"`
 			} `json:"nodes"`
 		}
-		if err := json.Unmarshal([]byte(local), &l); err != nil {
+		if err := json.Unmarshal([]byte(cluster), &c); err != nil {
 			return err
 		}
-		if err := json.Unmarshal([]byte(cluster), &c); err != nil {
+		if !sameAsLocal {
+			if len(c.Nodes) != 1 || len(c.Nodes[0].GPUs) != len(want) {
+				return fmt.Errorf("cluster view %s", cluster)
+			}
+			for i, g := range c.Nodes[0].GPUs {
+				if g.AllocatedMiB != want[i] {
+					return fmt.Errorf("cluster view %s, want allocated %v MiB", cluster, want)
+				}
+			}
+			return nil
+		}
+		if local, err = cli("--config", m.n.ConfigPath, "inspect", "--output", "json", "--node-name", m.NodeName); err != nil {
+			return fmt.Errorf("inspect: %w", err)
+		}
+		var l struct {
+			GPUs inspectGPUs `json:"gpus"`
+		}
+		if err := json.Unmarshal([]byte(local), &l); err != nil {
 			return err
 		}
 		if len(c.Nodes) != 1 || c.Nodes[0].Node != m.NodeName || !slices.Equal(c.Nodes[0].GPUs, l.GPUs) {
@@ -1039,6 +1060,12 @@ func TestMGPUFixedShareNode(t *testing.T) {
 	t.Run("CoreMem", func(t *testing.T) { testCoreMem(t, m) })
 	t.Run("Default", func(t *testing.T) { testDefaultMode(t, m) })
 	t.Run("Topology", func(t *testing.T) { testTopologyMode(t, m) })
+	t.Run("CGPURefused", func(t *testing.T) {
+		// cgpu would cap each container at its core 1 under fixed-share.
+		m.labelMode(t, "cgpu")
+		m.waitLogged(t, 15*time.Second, `msg="the node's mode label is not served`, "GPU 0 runs fixed-share")
+		m.setMode(t, "", false)
+	})
 }
 
 // Keys of ACK's core_mem mode.
@@ -1058,6 +1085,15 @@ func ackDeployment(name string, core, gib int, script string) *appsv1.Deployment
 	}
 	d.Spec.Template.Spec.Containers[0].Resources = corev1.ResourceRequirements{Requests: res, Limits: res}
 	return d
+}
+
+// labelMode labels the node with ACK's mode and returns.
+func (m *mgpuNode) labelMode(t *testing.T, value string) {
+	t.Helper()
+	patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%q}}}`, modeLabel, value)
+	if _, err := m.Client.CoreV1().Nodes().Patch(context.Background(), m.NodeName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // setMode labels the node with ACK's mode (empty: removes the label) and
@@ -1178,6 +1214,97 @@ func testCoreMem(t *testing.T, m *mgpuNode) {
 }
 
 func qty(q resource.Quantity) string { return q.String() }
+
+// memDeployment asks for gib of aliyun.com/gpu-mem alone, as seed 001's
+// cgpu, share and mps pods do.
+func memDeployment(name string, gib int, script string) *appsv1.Deployment {
+	d := seedDeployment(name, "", 0, 0, script)
+	res := corev1.ResourceList{ackMemKey: *resource.NewQuantity(int64(gib), resource.DecimalSI)}
+	d.Spec.Template.Spec.Containers[0].Resources = corev1.ResourceRequirements{Requests: res, Limits: res}
+	return d
+}
+
+// testCGPU is ACK's cgpu mode on GPUs of guaranteed-burst-share: the node
+// offers aliyun.com/gpu-mem alone; a pod of 4 GiB sees 4 GiB and cannot
+// allocate 5, and alone takes all of its GPU's time; a second one beside
+// it shares the GPU equally.
+func testCGPU(t *testing.T, m *mgpuNode) {
+	m.setMode(t, "cgpu", false)
+	m.waitNodeResources(t, map[corev1.ResourceName]int64{ackMemKey: 2 * gpuMiB / 1024, ackCoreKey: 0, coreKey: 0, memoryKey: 0})
+	script := "/bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 3072 --free; /bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 5120; " + saturate(3600)
+	a := m.running(t, m.deploy(t, memDeployment("cgpu-a", 4, script)).Name, "start")
+	log := m.PodLog(t, "default", a.Name, "main")
+	if !strings.Contains(log, "mem_total=4294967296") || !strings.Contains(log, "allocated=1 failed=0") || !strings.Contains(log, "allocated=0 failed=1") {
+		t.Errorf("in a cgpu container of 4 GiB, want 4 GiB total, 3 GiB allocated and 5 GiB refused:\n%s", log)
+	}
+	inA := m.instanceOf(t, a)
+	if inA.Core != 1 || inA.MemoryMiB != 4096 || inA.Policy != "guaranteed-burst-share" {
+		t.Errorf("instance %+v, want core 1, 4096 MiB, guaranteed-burst-share (the GPU's)", inA)
+	}
+	s := m.shares(t, []*corev1.Pod{a}, 2*time.Second, 5*time.Second)
+	t.Logf("cgpu, one pod busy alone: %.2f", s[0])
+	if s[0] < 95 {
+		t.Errorf("a lone cgpu pod got %.2f %% of its GPU, want at least 95 (compute is not capped)", s[0])
+	}
+	b := m.running(t, m.deploy(t, memDeployment("cgpu-b", 4, saturate(3600))).Name, "start")
+	if inB := m.instanceOf(t, b); inB.Device != inA.Device {
+		t.Fatalf("the second cgpu pod is on GPU %d, the first on %d: binpack puts them on one", inB.Device, inA.Device)
+	}
+	s = m.shares(t, []*corev1.Pod{a, b}, 2*time.Second, 5*time.Second)
+	t.Logf("cgpu, two pods busy: %.2f / %.2f", s[0], s[1])
+	if math.Abs(s[0]-50) > epsilon || math.Abs(s[1]-50) > epsilon {
+		t.Errorf("two cgpu pods got %.2f / %.2f, want 50 / 50 ± %.0f (equal weights)", s[0], s[1], epsilon)
+	}
+	want := []uint64{0, 0}
+	want[inA.Device] = 2 * 4096
+	m.checkClusterInspect(t, want)
+	// share, asked while they run, waits until they are gone: their
+	// instances stay as they were.
+	m.setMode(t, "share", true)
+	m.waitNodeResources(t, map[corev1.ResourceName]int64{ackMemKey: 2 * gpuMiB / 1024, coreKey: 0})
+	if now := m.instanceOf(t, a); now.Name != inA.Name || now.Device != inA.Device || now.Core != inA.Core || now.MemoryMiB != inA.MemoryMiB {
+		t.Errorf("instance changed with the mode label: %+v, was %+v", now, inA)
+	}
+	m.deleteDeployment(t, "cgpu-a")
+	m.deleteDeployment(t, "cgpu-b")
+	m.waitLogged(t, 30*time.Second, "msg=mode ", "to=share")
+	m.setMode(t, "", false)
+	m.waitNodeResources(t, map[corev1.ResourceName]int64{ackMemKey: 0, coreKey: 200, memoryKey: 2 * gpuMiB})
+}
+
+// testShare is ACK's share mode: aliyun.com/gpu-mem schedules and nothing
+// is enforced: a pod of 4 GiB is no mgpu instance, sees its whole GPU and
+// allocates 8 GiB; a pod of more GiB than the node has left stays Pending.
+// The cluster view counts the pod's GiB. mps, labelled next, is refused on
+// the simulated node and the mode stays share.
+func testShare(t *testing.T, m *mgpuNode) {
+	m.setMode(t, "share", false)
+	m.waitNodeResources(t, map[corev1.ResourceName]int64{ackMemKey: 2 * gpuMiB / 1024, ackCoreKey: 0, coreKey: 0, memoryKey: 0})
+	script := "/bin/mgpu-workload info; /bin/mgpu-workload alloc --api cuMemAlloc_v2 --mib 8192 --free; echo ready; " + idle
+	a := m.running(t, m.deploy(t, memDeployment("share-a", 4, script)).Name, "ready")
+	log := m.PodLog(t, "default", a.Name, "main")
+	if !strings.Contains(log, fmt.Sprintf("mem_total=%d", uint64(gpuMiB)<<20)) || !strings.Contains(log, "allocated=1 failed=0") || !strings.Contains(log, "\ndevice_count=1\n") {
+		t.Errorf("in a share container of 4 GiB, want one GPU of all its memory and 8 GiB allocated:\n%s", log)
+	}
+	insts, err := m.n.Instances()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if id := containerID(t, a); slices.ContainsFunc(insts, func(in api.Instance) bool { return in.ContainerID == id }) {
+		t.Errorf("the share pod is an mgpu instance: %+v", insts)
+	}
+	m.inspectCluster(t, []uint64{4096, 0}, false) // binpack: GPU 0 (equal GPUs, lowest index)
+	c := m.deploy(t, memDeployment("share-big", 2*gpuMiB/1024, idle))
+	ev := m.waitEvent(t, c.Name, "FailedScheduling", "Insufficient aliyun.com/gpu-mem", 60*time.Second)
+	t.Logf("160 GiB with 4 taken: %s", ev.Message)
+
+	m.labelMode(t, "mps")
+	m.waitLogged(t, 15*time.Second, `msg="the node's mode label is not served`, "mgpu does not simulate MPS")
+	m.deleteDeployment(t, "share-big")
+	m.deleteDeployment(t, "share-a")
+	m.setMode(t, "", false)
+	m.waitNodeResources(t, map[corev1.ResourceName]int64{ackMemKey: 0, coreKey: 200, memoryKey: 2 * gpuMiB})
+}
 
 // nvidiaGPU is the resource of ACK's default mode (and of NVIDIA's plugin).
 const nvidiaGPU corev1.ResourceName = "nvidia.com/gpu"
