@@ -5,8 +5,10 @@
 // allocations by placement policy (binpack or spread, package placement)
 // and answers Allocate with the GPU's CDI device and MGPU_CORE.
 //
-// It knows nothing of memory: vke.volcengine.com/mgpu-memory is node
-// capacity, not device IDs, and reaches the container another way.
+// vke.volcengine.com/mgpu-memory is node capacity, not device IDs, and
+// reaches the container another way. ACK's aliyun.com/gpu-mem is device
+// IDs, one per GiB, served by the memory plugin (WithMemory, memplugin.go)
+// in every ACK mode that has it.
 // docs/kubernetes.md describes the plugin as the kubelet sees it.
 package deviceplugin
 
