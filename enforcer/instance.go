@@ -29,6 +29,7 @@ type instance struct {
 	pidNS       uint64      // container's pid namespace; 0: the host's (match by cgroup)
 	cgroup      string      // container's cgroup; "": none usable
 	policy      policy.Policy
+	class       policy.Class
 	core        int
 	memMiB      uint64
 	created     time.Time
@@ -153,7 +154,7 @@ func (in *instance) record() stateInstance {
 	return stateInstance{
 		Name: in.name, ID: in.id, Kind: in.kind, ContainerID: in.containerID, Pod: in.pod,
 		PID: in.pid, StartTime: in.startTime, PidNS: in.pidNS, Cgroup: in.cgroup,
-		Policy: in.policy, Core: in.core, MemoryMiB: in.memMiB, Created: in.created,
+		Policy: in.policy, Class: in.class, Core: in.core, MemoryMiB: in.memMiB, Created: in.created,
 		ReapedGPUNs: in.reapedGPU, ReapedThrottledNs: in.reapedThrottled, ReapedLaunches: in.reapedLaunches,
 	}
 }
@@ -162,7 +163,7 @@ func (in *instance) api(dev int) api.Instance {
 	return api.Instance{
 		Name: in.name, Device: dev, ID: in.id, Kind: in.kind, ContainerID: in.containerID,
 		PID: in.pid, StartTime: in.startTime, PidNS: in.pidNS, Cgroup: in.cgroup,
-		Policy: in.policy.String(), Core: in.core, MemoryMiB: in.memMiB, Created: in.created,
+		Policy: in.policy.String(), Class: in.class.String(), Core: in.core, MemoryMiB: in.memMiB, Created: in.created,
 		Processes: in.nused, Region: in.path, Pod: in.pod,
 	}
 }
@@ -328,7 +329,7 @@ func (e *Enforcer) admitLocked(req api.CreateRequest, id identity, pfd int) (*in
 		if old := e.byCID[req.ContainerID]; old != nil {
 			sameProc := old.pid == req.PID && old.startTime == id.startTime
 			switch {
-			case sameProc && old.core == req.Core && old.memMiB == req.MemoryMiB && (req.Policy == "" || req.Policy == old.policy.String()):
+			case sameProc && old.core == req.Core && old.memMiB == req.MemoryMiB && (req.Policy == "" || req.Policy == old.policy.String()) && classOf(req) == old.class:
 				return old, true, nil
 			case sameProc:
 				return nil, false, refusef("container %s already has instance %s with core %d, memory %d MiB", req.ContainerID, old.name, old.core, old.memMiB)
@@ -346,8 +347,9 @@ func (e *Enforcer) admitLocked(req api.CreateRequest, id identity, pfd int) (*in
 	if len(e.list) >= e.settings.MaxInstances {
 		return nil, false, refusef("device %d already has %d instances, the most it admits (max_instances = %d)", e.index, len(e.list), e.settings.MaxInstances)
 	}
-	cores, mem := e.sumsLocked()
-	if pol.Admission() && cores+req.Core > 100 {
+	class := classOf(req)
+	cores, _, mem := e.sumsLocked()
+	if pol.Admission() && class == policy.Online && cores+req.Core > 100 {
 		return nil, false, refusef("device %d has %d%% compute free under %s (%d%% allocated), %s asks %d%%", e.index, 100-cores, pol, cores, who, req.Core)
 	}
 	total := e.dev.MemoryMiB()
@@ -365,8 +367,8 @@ func (e *Enforcer) admitLocked(req api.CreateRequest, id identity, pfd int) (*in
 	in := newInstance()
 	in.id, in.name, in.kind, in.containerID, in.pod = y, api.InstanceName(e.index, y), req.Kind, req.ContainerID, req.Pod
 	in.pid, in.startTime, in.pidNS, in.cgroup = req.PID, id.startTime, id.pidNS, id.cgroup
-	in.policy, in.core, in.memMiB, in.created = pol, req.Core, req.MemoryMiB, time.Now().UTC()
-	in.qcap = queueCap(uint64(maxQueued), uint64(e.settings.Period())) //nolint:gosec // positive
+	in.policy, in.class, in.core, in.memMiB, in.created = pol, class, req.Core, req.MemoryMiB, time.Now().UTC()
+	in.qcap = queueCap(uint64(in.maxQueued()), uint64(e.settings.Period())) //nolint:gosec // positive
 	in.path = filepath.Join(e.regions, in.name)
 	if err := region.Remove(in.path); err != nil {
 		return nil, false, fmt.Errorf("remove stale region: %w", err)
@@ -408,15 +410,39 @@ func (e *Enforcer) checkQuotasLocked(req api.CreateRequest) error {
 			return refusef("device %d runs %s, %s asks %s", e.index, pol, who, want)
 		}
 	}
+	if req.Class != "" {
+		c, err := policy.ParseClass(req.Class)
+		if err != nil {
+			return invalidf("%v", err)
+		}
+		if c == policy.Offline && e.settings.OnlineOfflineSwitch == 0 {
+			return refusef("device %d does not admit offline instances (online_offline_switch = 0); set online_offline_switch = 1 for it in the node config, which applies once the device is empty", e.index)
+		}
+	}
 	return nil
 }
 
-func (e *Enforcer) sumsLocked() (cores int, memMiB uint64) {
+// classOf is a checked request's class (checkQuotasLocked).
+func classOf(req api.CreateRequest) policy.Class {
+	if req.Class == "" {
+		return policy.Online
+	}
+	c, _ := policy.ParseClass(req.Class)
+	return c
+}
+
+// sumsLocked sums the online and the offline instances' cores, and every
+// instance's memory.
+func (e *Enforcer) sumsLocked() (online, offline int, memMiB uint64) {
 	for _, in := range e.list {
-		cores += in.core
+		if in.class == policy.Offline {
+			offline += in.core
+		} else {
+			online += in.core
+		}
 		memMiB += in.memMiB
 	}
-	return cores, memMiB
+	return online, offline, memMiB
 }
 
 func (e *Enforcer) params(in *instance) region.Params {
@@ -425,8 +451,18 @@ func (e *Enforcer) params(in *instance) region.Params {
 		Policy: uint32(in.policy), Core: uint32(in.core), //nolint:gosec // 1..100
 		MemoryLimit: in.memMiB << 20,
 		PeriodNs:    uint64(e.settings.Period()), //nolint:gosec // positive
-		MaxQueuedNs: uint64(maxQueued),           //nolint:gosec // positive
+		MaxQueuedNs: uint64(in.maxQueued()),      //nolint:gosec // positive
 	}
+}
+
+// maxQueued is the instance's queue bound: an offline instance's is
+// smaller, so that the work it has queued when an online instance wakes
+// ends sooner (docs/arbiter.md "Online and offline instances").
+func (in *instance) maxQueued() time.Duration {
+	if in.class == policy.Offline {
+		return offlineMaxQueued
+	}
+	return maxQueued
 }
 
 func (e *Enforcer) insertLocked(in *instance) {
@@ -443,7 +479,7 @@ func (e *Enforcer) insertLocked(in *instance) {
 	e.list = append(e.list, nil)
 	copy(e.list[i+1:], e.list[i:])
 	e.list[i] = in
-	e.arb.Add(in.id, in.core)
+	e.arb.AddClass(in.id, in.core, in.class)
 }
 
 // releaseLocked removes an instance: its grant is withdrawn, its region
@@ -495,7 +531,7 @@ func (e *Enforcer) applyPendingLocked() {
 	}
 	e.o.log.Info("device is empty; applying the configured settings", "device", e.index,
 		"policy", e.configured.ComputePolicy.String(), "compute_timeslice", e.configured.ComputeTimeslice,
-		"compute_timeslice_native_burst", e.configured.ComputeTimesliceNativeBurst)
+		"compute_timeslice_native_burst", e.configured.ComputeTimesliceNativeBurst, "online_offline_switch", e.configured.OnlineOfflineSwitch)
 	e.settings = e.configured
 	e.arb = e.newArbiter()
 }
@@ -517,6 +553,10 @@ const handoff = arbiter.HandoffTimed
 // 1 ms a queue of two 500 µs kernels drained between launches and accuracy
 // fell (docs/arbiter.md, "Production settings").
 const maxQueued = 2 * time.Millisecond
+
+// offlineMaxQueued bounds an offline instance's queued GPU work: what an
+// online instance that wakes may find ahead of its first kernel.
+const offlineMaxQueued = 500 * time.Microsecond
 
 // quantum is the longest hold before the arbiter re-decides under
 // fixed-share and guaranteed-burst-share (native-burst-share uses
@@ -611,7 +651,7 @@ func (in *instance) gpuTotal() uint64 {
 func (e *Enforcer) Device() api.DeviceResponse {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	cores, mem := e.sumsLocked()
+	cores, offline, mem := e.sumsLocked()
 	busy := e.releasedGPU
 	for _, in := range e.list {
 		busy = sat(busy, in.gpuTotal())
@@ -627,8 +667,8 @@ func (e *Enforcer) Device() api.DeviceResponse {
 		Policy: s.ComputePolicy.String(), PolicyCode: s.ComputePolicy.Code(),
 		ConfiguredPolicy: e.configured.ComputePolicy.String(),
 		TimesliceMS:      s.ComputeTimeslice, NativeSliceUS: s.ComputeTimesliceNativeBurst,
-		MaxInstances: s.MaxInstances,
-		Instances:    len(e.list), CoreSum: cores, CoreFree: max(0, 100-cores),
+		MaxInstances: s.MaxInstances, OnlineOfflineSwitch: s.OnlineOfflineSwitch,
+		Instances: len(e.list), CoreSum: cores, CoreFree: max(0, 100-cores), OfflineCoreSum: offline,
 		MemoryAllocatedMiB: mem, MemoryFreeMiB: free,
 		EnforcerPID: os.Getpid(), EnforcerEpoch: e.epoch, Started: e.started.UTC(),
 		BusyNs: busy,

@@ -44,10 +44,11 @@ func (e *Enforcer) restore() error {
 		running.ComputePolicy = st.Policy
 		running.ComputeTimeslice = st.TimesliceMS
 		running.ComputeTimesliceNativeBurst = st.NativeSliceUS
+		running.OnlineOfflineSwitch = st.OnlineOffline
 		if running != e.configured {
-			e.o.log.Warn(fmt.Sprintf("device %d: the config's change to %s (compute_timeslice %d, compute_timeslice_native_burst %d) is refused while %d instances run under %s (compute_timeslice %d, compute_timeslice_native_burst %d); it takes effect when the device is empty",
-				e.index, e.configured.ComputePolicy, e.configured.ComputeTimeslice, e.configured.ComputeTimesliceNativeBurst,
-				len(st.Instances), running.ComputePolicy, running.ComputeTimeslice, running.ComputeTimesliceNativeBurst))
+			e.o.log.Warn(fmt.Sprintf("device %d: the config's change to %s (compute_timeslice %d, compute_timeslice_native_burst %d, online_offline_switch %d) is refused while %d instances run under %s (compute_timeslice %d, compute_timeslice_native_burst %d, online_offline_switch %d); it takes effect when the device is empty",
+				e.index, e.configured.ComputePolicy, e.configured.ComputeTimeslice, e.configured.ComputeTimesliceNativeBurst, e.configured.OnlineOfflineSwitch,
+				len(st.Instances), running.ComputePolicy, running.ComputeTimeslice, running.ComputeTimesliceNativeBurst, running.OnlineOfflineSwitch))
 		}
 		e.settings = running
 	}
@@ -83,9 +84,9 @@ func (e *Enforcer) adopt(si stateInstance, sameBoot bool) error {
 	in := newInstance()
 	in.id, in.name, in.kind, in.containerID, in.pod = si.ID, si.Name, si.Kind, si.ContainerID, si.Pod
 	in.pid, in.startTime, in.pidNS, in.cgroup = si.PID, si.StartTime, si.PidNS, si.Cgroup
-	in.policy, in.core, in.memMiB, in.created = si.Policy, si.Core, si.MemoryMiB, si.Created
+	in.policy, in.class, in.core, in.memMiB, in.created = si.Policy, si.Class, si.Core, si.MemoryMiB, si.Created
 	in.reapedGPU, in.reapedThrottled, in.reapedLaunches = min(si.ReapedGPUNs, satCap), min(si.ReapedThrottledNs, satCap), min(si.ReapedLaunches, satCap)
-	in.qcap = queueCap(uint64(maxQueued), uint64(e.settings.Period())) //nolint:gosec // positive
+	in.qcap = queueCap(uint64(in.maxQueued()), uint64(e.settings.Period())) //nolint:gosec // positive
 	in.path = filepath.Join(e.regions, in.name)
 	rootAlive := sameBoot && e.alive(in.pid, in.startTime)
 
@@ -182,6 +183,7 @@ func (e *Enforcer) save() error {
 		Version: StateVersion, Device: e.index, BootID: e.bootID, Epoch: e.epoch,
 		Policy: e.settings.ComputePolicy, TimesliceMS: e.settings.ComputeTimeslice,
 		NativeSliceUS: e.settings.ComputeTimesliceNativeBurst,
+		OnlineOffline: e.settings.OnlineOfflineSwitch,
 		Instances:     make([]stateInstance, 0, len(e.list)),
 	}
 	for _, in := range e.list {
@@ -227,8 +229,8 @@ func (e *Enforcer) Reload(cfg *config.Config) error {
 		return nil
 	}
 	if e.settings != e.configured {
-		e.o.log.Warn(fmt.Sprintf("device %d: the config's change to %s is refused while %d instances run under %s; it takes effect when the device is empty",
-			e.index, next.ComputePolicy, len(e.list), e.settings.ComputePolicy))
+		e.o.log.Warn(fmt.Sprintf("device %d: the config's change to %s (online_offline_switch %d) is refused while %d instances run under %s (online_offline_switch %d); it takes effect when the device is empty",
+			e.index, next.ComputePolicy, next.OnlineOfflineSwitch, len(e.list), e.settings.ComputePolicy, e.settings.OnlineOfflineSwitch))
 	}
 	return nil
 }

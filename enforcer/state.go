@@ -37,6 +37,7 @@ type stateFile struct {
 	Policy        policy.Policy   `json:"policy"`
 	TimesliceMS   int             `json:"compute_timeslice_ms"`
 	NativeSliceUS int             `json:"compute_timeslice_native_burst_us"`
+	OnlineOffline int             `json:"online_offline_switch,omitempty"`
 	Instances     []stateInstance `json:"instances"`
 }
 
@@ -51,6 +52,7 @@ type stateInstance struct {
 	PidNS       uint64        `json:"pid_ns,omitempty"`
 	Cgroup      string        `json:"cgroup,omitempty"`
 	Policy      policy.Policy `json:"policy"`
+	Class       policy.Class  `json:"class,omitempty"`
 	Core        int           `json:"core"`
 	MemoryMiB   uint64        `json:"memory_mib"`
 	Created     time.Time     `json:"created"`
@@ -105,6 +107,9 @@ func decodeState(data []byte, dev int) (*stateFile, error) {
 	if s.NativeSliceUS < config.MinNativeTimesliceUS || s.NativeSliceUS > config.MaxNativeTimesliceUS {
 		return nil, fmt.Errorf("compute_timeslice_native_burst_us %d outside %d..%d", s.NativeSliceUS, config.MinNativeTimesliceUS, config.MaxNativeTimesliceUS)
 	}
+	if s.OnlineOffline != 0 && s.OnlineOffline != 1 {
+		return nil, fmt.Errorf("online_offline_switch %d outside 0..1", s.OnlineOffline)
+	}
 	ids := map[int]bool{}
 	cids := map[string]bool{}
 	for i, in := range s.Instances {
@@ -130,6 +135,8 @@ func decodeState(data []byte, dev int) (*stateFile, error) {
 			return nil, fmt.Errorf("%s: memory_mib %d outside 1..%d", where, in.MemoryMiB, 1<<24)
 		case in.Policy != s.Policy:
 			return nil, fmt.Errorf("%s: policy %s differs from the device's %s", where, in.Policy, s.Policy)
+		case !in.Class.Valid() || (in.Class == policy.Offline && s.OnlineOffline == 0):
+			return nil, fmt.Errorf("%s: class %s on a device of online_offline_switch %d", where, in.Class, s.OnlineOffline)
 		}
 		if in.Pod != nil {
 			if err := in.Pod.Validate(); err != nil {

@@ -126,6 +126,9 @@ func (h *Hook) Create(ctx context.Context, st *oci.State) ([]Admitted, error) {
 		if req.PolicySet {
 			base.Policy = req.Policy.String()
 		}
+		if req.ClassKey != "" {
+			base.Class = req.Class.String()
+		}
 		for range devs {
 			creqs = append(creqs, base)
 		}

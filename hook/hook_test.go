@@ -29,6 +29,7 @@ type fakeEnforcer struct {
 	memoryMiB uint64 // the device's memory
 
 	lastPolicy string      // of the last create
+	lastClass  string      // of the last create
 	lastPod    *api.PodRef // of the last create
 }
 
@@ -41,6 +42,7 @@ func (f *fakeEnforcer) Create(ctx context.Context, req api.CreateRequest) (api.C
 		return api.CreateResponse{}, &api.Error{Status: 409, Message: fmt.Sprintf("device %d is %s, not %s; regenerate the CDI spec (mgpu-cli cdi generate)", f.index, f.uuid, req.UUID)}
 	}
 	f.lastPolicy = req.Policy
+	f.lastClass = req.Class
 	f.lastPod = req.Pod
 	st := f.startTime
 	if st == 0 {

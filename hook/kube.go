@@ -76,6 +76,11 @@ func (h *Hook) podRequests(ctx context.Context, c agentapi.Container, devs []Dev
 	if err != nil {
 		return nil, fmt.Errorf("%s: the node agent answered policy %q", c, a.Policy)
 	}
+	if a.Class != "" {
+		if _, err := policy.ParseClass(a.Class); err != nil {
+			return nil, fmt.Errorf("%s: the node agent answered class %q", c, a.Class)
+		}
+	}
 	out := make([]api.CreateRequest, len(devs))
 	for i, d := range devs {
 		g := a.GPUs[slices.IndexFunc(a.GPUs, func(g agentapi.GPU) bool { return g.Index == d.Index })]
@@ -83,7 +88,7 @@ func (h *Hook) podRequests(ctx context.Context, c agentapi.Container, devs []Dev
 			return nil, fmt.Errorf("%s: the node agent answered core %d and %d MiB on GPU %d", c, g.Core, g.MemoryMiB, g.Index)
 		}
 		r := base
-		r.Policy, r.Core, r.MemoryMiB = pol.String(), g.Core, g.MemoryMiB
+		r.Policy, r.Core, r.MemoryMiB, r.Class = pol.String(), g.Core, g.MemoryMiB, a.Class
 		out[i] = r
 	}
 	return out, nil

@@ -82,7 +82,7 @@ func TestCreatePodUsesItsAssignment(t *testing.T) {
 		ann[k] = v
 	}
 	withAnnotations(t, st, ann)
-	agent := &fakeAgent{a: agentapi.Assignment{Policy: "guaranteed-burst-share", GPUs: []agentapi.GPU{
+	agent := &fakeAgent{a: agentapi.Assignment{Policy: "guaranteed-burst-share", Class: "offline", GPUs: []agentapi.GPU{
 		{Index: 0, Core: 100, MemoryMiB: 0}, {Index: 1, Core: 100, MemoryMiB: 2048},
 	}}}
 	fakes[0].memoryMiB = 81920
@@ -98,8 +98,8 @@ func TestCreatePodUsesItsAssignment(t *testing.T) {
 		got[1].Instance.Core != 100 || got[1].Instance.MemoryMiB != 2048 {
 		t.Fatalf("admitted %+v", got)
 	}
-	if p := fakes[1].lastPolicy; p != "guaranteed-burst-share" {
-		t.Fatalf("policy %q", p)
+	if p, c := fakes[1].lastPolicy, fakes[1].lastClass; p != "guaranteed-burst-share" || c != "offline" {
+		t.Fatalf("policy %q, class %q", p, c)
 	}
 	// The instance is labelled with its pod container (metrics).
 	for i, f := range fakes {
@@ -125,6 +125,8 @@ func TestCreatePodRefused(t *testing.T) {
 			want: "the node agent answered core 0"},
 		{name: "bad policy", agent: &fakeAgent{a: agentapi.Assignment{Policy: "x", GPUs: []agentapi.GPU{{Index: 0, Core: 5, MemoryMiB: 1}}}},
 			want: `the node agent answered policy "x"`},
+		{name: "bad class", agent: &fakeAgent{a: agentapi.Assignment{Policy: "fixed-share", Class: "batch", GPUs: []agentapi.GPU{{Index: 0, Core: 5, MemoryMiB: 1}}}},
+			want: `the node agent answered class "batch"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

@@ -16,10 +16,14 @@ const (
 	AnnotationPolicy = "vke.volcengine.com/mgpu-compute-policy"
 	AnnotationMemory = "vke.volcengine.com/mgpu-memory"
 	AnnotationCore   = "vke.volcengine.com/mgpu-core"
+	// AnnotationClass is the priority class, online (default) or offline
+	// (docs/arbiter.md "Online and offline instances").
+	AnnotationClass = "vke.volcengine.com/mgpu-class"
 
 	EnvPolicy = "MGPU_COMPUTE_POLICY"
 	EnvMemory = "MGPU_MEMORY"
 	EnvCore   = "MGPU_CORE"
+	EnvClass  = "MGPU_CLASS"
 )
 
 // Limits of the values a request may carry.
@@ -43,10 +47,12 @@ type Request struct {
 	Core int
 	// MemoryMiB is the device-memory quota in MiB, at least 1.
 	MemoryMiB uint64
+	// Class is the priority class; unset (ClassKey "") means online.
+	Class policy.Class
 
 	// Keys name where each value came from (an annotation or an env key),
 	// for messages; empty when the value is unset.
-	PolicyKey, CoreKey, MemoryKey string
+	PolicyKey, CoreKey, MemoryKey, ClassKey string
 }
 
 // ValueError is an invalid request value: the key it was read from, the
@@ -85,11 +91,12 @@ const (
 	wantCore   = "a percent from 1 to 100"
 	wantMemory = "a whole number of MiB from 1 to 16777216, without a unit (e.g. 4096)"
 	wantPolicy = "fixed-share, guaranteed-burst-share or native-burst-share (or leave it unset for the device's policy)"
+	wantClass  = "online or offline (or leave it unset for online)"
 )
 
 // ResolveRequest reads a container's request from its annotations and its
 // process environment (process.env of config.json, "KEY=VALUE" entries).
-// For each of policy, core and memory the annotation wins over the env key;
+// For each of policy, class, core and memory the annotation wins over the env key;
 // only the value that wins is validated. A missing policy means the
 // device's; a missing core or memory is an error (*MissingError): mgpu never
 // guesses a quota. Invalid values are *ValueError, never clamped.
@@ -116,6 +123,18 @@ func ResolveRequest(annotations map[string]string, env []string) (Request, error
 			return Request{}, &ValueError{Key: key, Value: val, Want: wantPolicy}
 		}
 		r.Policy, r.PolicySet, r.PolicyKey = p, true, key
+	}
+
+	key, val, ok, err = pick(AnnotationClass, EnvClass)
+	if err != nil {
+		return Request{}, err
+	}
+	if ok {
+		c, cerr := policy.ParseClass(val)
+		if cerr != nil {
+			return Request{}, &ValueError{Key: key, Value: val, Want: wantClass}
+		}
+		r.Class, r.ClassKey = c, key
 	}
 
 	var missing []string

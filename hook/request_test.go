@@ -33,6 +33,22 @@ func TestResolveRequest(t *testing.T) {
 				PolicyKey: AnnotationPolicy, CoreKey: AnnotationCore, MemoryKey: AnnotationMemory},
 		},
 		{
+			name: "class offline by annotation, env loses",
+			ann:  a(AnnotationCore, "30", AnnotationMemory, "4096", AnnotationClass, "offline"),
+			env:  []string{"MGPU_CLASS=online"},
+			want: Request{Core: 30, MemoryMiB: 4096, Class: policy.Offline, CoreKey: AnnotationCore, MemoryKey: AnnotationMemory, ClassKey: AnnotationClass},
+		},
+		{
+			name: "class online by env",
+			env:  []string{"MGPU_CORE=30", "MGPU_MEMORY=1", "MGPU_CLASS=online"},
+			want: Request{Core: 30, MemoryMiB: 1, Class: policy.Online, CoreKey: EnvCore, MemoryKey: EnvMemory, ClassKey: EnvClass},
+		},
+		{
+			name:    "bad class",
+			env:     []string{"MGPU_CORE=30", "MGPU_MEMORY=1", "MGPU_CLASS=batch"},
+			wantErr: `MGPU_CLASS is "batch"; set it to online or offline (or leave it unset for online)`,
+		},
+		{
 			name: "env only, no policy means the device's",
 			env:  []string{"PATH=/bin", "MGPU_CORE=100", "MGPU_MEMORY=1"},
 			want: Request{Core: 100, MemoryMiB: 1, CoreKey: EnvCore, MemoryKey: EnvMemory},

@@ -91,6 +91,9 @@ type CreateRequest struct {
 	Core int `json:"core"`
 	// MemoryMiB is the device-memory quota, >= 1.
 	MemoryMiB uint64 `json:"memory_mib"`
+	// Class is the instance's priority class, "online" (also "") or
+	// "offline" (a device with online_offline_switch = 1 only).
+	Class string `json:"class,omitempty"`
 	// Pod is the Kubernetes pod container the instance is for, when a
 	// CRI made the container (the hook reads it from the CRI's
 	// annotations); labels of the instance's metrics.
@@ -141,6 +144,7 @@ type Instance struct {
 	Policy      string    `json:"policy"`
 	Core        int       `json:"core"`
 	MemoryMiB   uint64    `json:"memory_mib"`
+	Class       string    `json:"class"` // online or offline
 	Created     time.Time `json:"created"`
 	Processes   int       `json:"processes"` // attached processes
 	Region      string    `json:"region"`    // region directory on the host
@@ -185,10 +189,18 @@ type DeviceResponse struct {
 	TimesliceMS      int    `json:"compute_timeslice_ms"`
 	NativeSliceUS    int    `json:"compute_timeslice_native_burst_us"`
 	MaxInstances     int    `json:"max_instances"`
+	// OnlineOfflineSwitch is the online_offline_switch the device runs
+	// (0 off, 1 offline instances admitted).
+	OnlineOfflineSwitch int `json:"online_offline_switch"`
 
-	Instances          int    `json:"instances"`
+	Instances int `json:"instances"`
+	// CoreSum is the sum of the online instances' cores, which admission
+	// keeps within 100 (fixed-share, guaranteed-burst-share); CoreFree is
+	// 100 - CoreSum, >= 0. OfflineCoreSum is the offline instances' (their
+	// weights among themselves).
 	CoreSum            int    `json:"core_sum"`
-	CoreFree           int    `json:"core_free"` // 100 - core_sum, >= 0
+	CoreFree           int    `json:"core_free"`
+	OfflineCoreSum     int    `json:"offline_core_sum"`
 	MemoryAllocatedMiB uint64 `json:"memory_allocated_mib"`
 	MemoryFreeMiB      uint64 `json:"memory_free_mib"`
 
@@ -324,6 +336,11 @@ func (r *CreateRequest) Validate() error {
 	}
 	if r.Policy != "" {
 		if _, err := policy.Parse(r.Policy); err != nil {
+			return fmt.Errorf("%w: %w", ErrBadRequest, err)
+		}
+	}
+	if r.Class != "" {
+		if _, err := policy.ParseClass(r.Class); err != nil {
 			return fmt.Errorf("%w: %w", ErrBadRequest, err)
 		}
 	}

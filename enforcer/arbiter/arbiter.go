@@ -195,9 +195,10 @@ type InstanceStats struct {
 }
 
 type instance struct {
-	id     int
-	core   int
-	weight float64
+	id      int
+	core    int
+	weight  float64
+	offline bool // policy.Offline: only time no online instance wants
 
 	seen         bool
 	lastGPU      time.Duration
@@ -287,16 +288,25 @@ func New(cfg Config) *Arbiter {
 // clamped). Adding a known id updates its core and keeps its accounting.
 // The first Tick that carries the instance's usage takes its counters as
 // the baseline, so GPU time used before Add is not charged.
-func (a *Arbiter) Add(id int, core int) {
+func (a *Arbiter) Add(id int, core int) { a.AddClass(id, core, policy.Online) }
+
+// AddClass is Add with the instance's class. Offline instances are granted
+// only when no online instance can be (the online ones are arbitrated as
+// if the offline ones did not exist) and share that time among themselves
+// in proportion to their cores, whatever the policy; an online instance
+// that can be granted takes the grant from an offline holder at once.
+func (a *Arbiter) AddClass(id int, core int, class policy.Class) {
 	core = min(max(core, 1), 100)
+	off := class == policy.Offline
 	if i, ok := a.index[id]; ok {
 		a.inst[i].core = core
 		a.inst[i].weight = float64(core)
+		a.inst[i].offline = off
 		a.inst[i].st.Core = core
 		return
 	}
 	a.index[id] = len(a.inst)
-	a.inst = append(a.inst, instance{id: id, core: core, weight: float64(core), st: InstanceStats{Core: core}})
+	a.inst = append(a.inst, instance{id: id, core: core, weight: float64(core), offline: off, st: InstanceStats{Core: core}})
 }
 
 // Remove forgets instance id; it is never granted again (unless re-added).
@@ -373,8 +383,10 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		a.last = now
 	}
 
-	// 1. Observe and charge.
-	var total, wd float64
+	// 1. Observe and charge. Online and offline instances are separate
+	// pools: what an offline instance is charged is shared among the
+	// offline ones only, and the other way round.
+	var total, wd, offTotal, offWd float64
 	nd := 0
 	for i := range a.inst {
 		in := &a.inst[i]
@@ -426,7 +438,11 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		in.st.Used += used
 		in.st.Charged += time.Duration(c)
 		in.charged = c
-		total += c
+		if in.offline {
+			offTotal += c
+		} else {
+			total += c
+		}
 		if a.holder == i {
 			in.demand = u.Waiting || !a.dry(in, launched, now)
 		} else {
@@ -442,7 +458,11 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		// one that waits for the grant.
 		in.earns = in.demand || in.queued > 0
 		if in.earns {
-			wd += in.weight
+			if in.offline {
+				offWd += in.weight
+			} else {
+				wd += in.weight
+			}
 			nd++
 		}
 	}
@@ -457,63 +477,25 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		acc := float64(min(dt, time.Duration(a.period)))
 		for i := range a.inst {
 			in := &a.inst[i]
-			in.credit += in.weight/100*acc - in.charged
+			if !in.offline {
+				in.credit += in.weight/100*acc - in.charged
+			}
 		}
 		a.shedAtCaps()
 		for i := range a.inst {
 			in := &a.inst[i]
-			in.credit = min(max(in.credit, -a.period), a.cap(in))
+			if !in.offline {
+				in.credit = min(max(in.credit, -a.period), a.cap(in))
+			}
 		}
 	} else {
-		var sum float64
-		n := 0
-		for i := range a.inst {
-			in := &a.inst[i]
-			if in.earns {
-				in.credit += in.weight/wd*total - in.charged
-				sum += in.credit
-				n++
-			} else {
-				in.credit = min(in.credit-in.charged, 0)
-			}
-		}
-		if n > 0 {
-			mean := sum / float64(n)
-			for i := range a.inst {
-				in := &a.inst[i]
-				if in.earns {
-					in.credit -= mean
-				}
-			}
-		}
-		for i := range a.inst {
-			in := &a.inst[i]
-			in.credit = max(in.credit, -a.period)
-		}
+		a.shareCharged(false, total, wd)
 	}
+	a.shareCharged(true, offTotal, offWd)
 
 	// 3. Decide.
 	h := a.holder
-	best := -1
-	for i := range a.inst {
-		if i == h || !a.canEnter(i) {
-			continue
-		}
-		if best < 0 || a.inst[i].credit > a.inst[best].credit {
-			best = i
-		}
-	}
-	next := best
-	if h >= 0 && a.canHold(h, best >= 0) {
-		next = h
-		if best >= 0 {
-			hc, bc := a.inst[h].credit, a.inst[best].credit
-			hy := a.hysteresis(&a.inst[h], &a.inst[best])
-			if bc > hc+hy || (now-a.holdStart >= a.quantum && bc > hc) {
-				next = best
-			}
-		}
-	}
+	next := a.choose(now)
 	if next != h {
 		if h >= 0 {
 			a.revoke(h, now)
@@ -528,6 +510,91 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		a.out = append(a.out, a.inst[next].id)
 	}
 	return a.out
+}
+
+// shareCharged is the burst policies' earning, and every policy's for the
+// offline instances: the device time charged this tick to the instances of
+// one class (total) is handed to those of the class that earn, in
+// proportion to their weights (wd in all), and their credits are
+// re-centred on zero; the others keep no credit (debt is kept).
+func (a *Arbiter) shareCharged(offline bool, total, wd float64) {
+	var sum float64
+	n := 0
+	for i := range a.inst {
+		in := &a.inst[i]
+		if in.offline != offline {
+			continue
+		}
+		if in.earns {
+			in.credit += in.weight/wd*total - in.charged
+			sum += in.credit
+			n++
+		} else {
+			in.credit = min(in.credit-in.charged, 0)
+		}
+	}
+	if n > 0 {
+		mean := sum / float64(n)
+		for i := range a.inst {
+			in := &a.inst[i]
+			if in.offline == offline && in.earns {
+				in.credit -= mean
+			}
+		}
+	}
+	for i := range a.inst {
+		in := &a.inst[i]
+		if in.offline == offline {
+			in.credit = max(in.credit, -a.period)
+		}
+	}
+}
+
+// choose decides who holds the grant after this tick. Among the online
+// instances: the holder keeps it unless a candidate leads it by the
+// hysteresis, or at all once it has held a Quantum; the highest credit
+// wins. The offline instances are arbitrated the same way among
+// themselves, only when no online instance holds or can enter; an online
+// candidate takes the grant from an offline holder at once.
+func (a *Arbiter) choose(now time.Duration) int {
+	h := a.holder
+	bestOn, bestOff := -1, -1
+	for i := range a.inst {
+		if i == h || !a.canEnter(i) {
+			continue
+		}
+		b := &bestOn
+		if a.inst[i].offline {
+			b = &bestOff
+		}
+		if *b < 0 || a.inst[i].credit > a.inst[*b].credit {
+			*b = i
+		}
+	}
+	pick := func(h, best int, contested bool) int {
+		next := best
+		if h >= 0 && a.canHold(h, contested) {
+			next = h
+			if best >= 0 {
+				hc, bc := a.inst[h].credit, a.inst[best].credit
+				hy := a.hysteresis(&a.inst[h], &a.inst[best])
+				if bc > hc+hy || (now-a.holdStart >= a.quantum && bc > hc) {
+					next = best
+				}
+			}
+		}
+		return next
+	}
+	if h < 0 || !a.inst[h].offline {
+		if next := pick(h, bestOn, bestOn >= 0 || bestOff >= 0); next >= 0 {
+			return next
+		}
+		return bestOff
+	}
+	if bestOn >= 0 {
+		return bestOn // online work preempts offline at once
+	}
+	return pick(h, bestOff, bestOff >= 0)
 }
 
 // shedAtCaps: under fixed-share, while the instances with demand subscribe
@@ -552,7 +619,7 @@ func (a *Arbiter) shedAtCaps() {
 	var w, lambda float64
 	for i := range a.inst {
 		in := &a.inst[i]
-		if !in.demand {
+		if !in.demand || in.offline {
 			continue
 		}
 		w += in.weight
@@ -564,7 +631,7 @@ func (a *Arbiter) shedAtCaps() {
 		return
 	}
 	for i := range a.inst {
-		if in := &a.inst[i]; in.demand {
+		if in := &a.inst[i]; in.demand && !in.offline {
 			in.credit -= lambda * in.weight
 		}
 	}
@@ -585,7 +652,7 @@ func (a *Arbiter) canHold(i int, contested bool) bool {
 	if contested && !in.demand {
 		return false
 	}
-	return !a.fixed || in.credit > 0
+	return !a.fixed || in.offline || in.credit > 0
 }
 
 // canEnter reports whether non-holder i may be granted: it waits for a
@@ -811,6 +878,24 @@ func (a *Arbiter) NextDecision() time.Duration {
 		return a.after(t)
 	}
 	hi := &a.inst[h]
+	if hi.offline {
+		// An offline holder: an online waiter takes the grant once it
+		// may enter; another offline one at the latest once the holder
+		// has held a Quantum; anyone once it runs dry.
+		quantumAt := max(0, float64(a.holdStart+a.quantum-a.last))
+		for i := range a.inst {
+			in := &a.inst[i]
+			if i == h || !in.demand {
+				continue
+			}
+			if in.offline {
+				t = min(t, quantumAt, a.dryAfter(h))
+			} else {
+				t = min(t, a.enterAfter(in))
+			}
+		}
+		return a.after(min(t, a.period))
+	}
 	o := outlook{fixed: a.fixed, disc: max(0, hi.discount), hc: hi.credit, hcap: math.Inf(1), freeze: math.Inf(1)}
 	if a.fixed {
 		o.he, o.hcap, o.freeze = hi.weight/100, a.cap(hi), a.freezeAfter(h)
@@ -818,7 +903,7 @@ func (a *Arbiter) NextDecision() time.Duration {
 	} else {
 		wd := 0.0
 		for i := range a.inst {
-			if a.inst[i].earns || i == h {
+			if (a.inst[i].earns || i == h) && !a.inst[i].offline {
 				wd += a.inst[i].weight
 			}
 		}
@@ -829,6 +914,10 @@ func (a *Arbiter) NextDecision() time.Duration {
 	for i := range a.inst {
 		in := &a.inst[i]
 		if i == h || !in.demand {
+			continue
+		}
+		if in.offline { // enters only when the holder cannot hold (runs dry)
+			enter = min(enter, a.enterAfter(in))
 			continue
 		}
 		te, ceil := a.enterAfter(in), math.Inf(1)
@@ -872,7 +961,7 @@ func (a *Arbiter) freezeAfter(h int) float64 {
 	t := math.Inf(1)
 	for i := range a.inst {
 		in := &a.inst[i]
-		if !in.demand {
+		if !in.demand || in.offline {
 			continue
 		}
 		w += in.weight
@@ -1011,7 +1100,7 @@ func (a *Arbiter) after(t float64) time.Duration {
 // fixed-share rate, to reach its entry threshold (0: it may enter now);
 // burst candidates may always enter.
 func (a *Arbiter) enterAfter(in *instance) float64 {
-	if !a.fixed {
+	if !a.fixed || in.offline {
 		return 0
 	}
 	thr := min(a.hysteresis(in, in), a.cap(in)/2)

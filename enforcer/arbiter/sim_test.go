@@ -3,6 +3,8 @@ package arbiter
 import (
 	"math/rand/v2"
 	"time"
+
+	"github.com/mgpu-dev/mgpu/internal/policy"
 )
 
 // This file is a discrete-event model of one time-sliced device, its shim
@@ -90,10 +92,11 @@ type simKernel struct {
 }
 
 type simInst struct {
-	id   int
-	core int
-	klen time.Duration
-	work workload
+	id    int
+	core  int
+	klen  time.Duration
+	work  workload
+	bound time.Duration // the shim's queue bound
 
 	granted    bool
 	fresh      bool          // granted at the last tick, nothing submitted since
@@ -166,11 +169,19 @@ func newSim(cfg Config, end time.Duration, specs ...simSpec) *sim {
 			work:  sp.work,
 			phase: time.Duration(i*397) * time.Microsecond % simFlush,
 			busy:  make([]float64, bins),
+			bound: s.bound,
 		}
 		s.insts = append(s.insts, in)
 		s.arb.Add(in.id, in.core)
 	}
 	return s
+}
+
+// setOffline makes instance i offline, with queue bound bound.
+func (s *sim) setOffline(i int, bound time.Duration) {
+	in := s.insts[i]
+	in.bound = bound
+	s.arb.AddClass(in.id, in.core, policy.Offline)
 }
 
 func (s *sim) run() {
@@ -203,7 +214,7 @@ func (s *sim) run() {
 
 func (s *sim) submit(i int, now time.Duration) {
 	in := s.insts[i]
-	for in.granted && in.work.has(now) && (in.inflightNs == 0 || in.inflightNs+in.klen <= s.bound) {
+	for in.granted && in.work.has(now) && (in.inflightNs == 0 || in.inflightNs+in.klen <= in.bound) {
 		k := simKernel{inst: i, length: in.klen, submit: now, behind: s.workAhead(i, now) > 0}
 		if in.fresh {
 			in.fresh = false

@@ -9,6 +9,9 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/mgpu-dev/mgpu/internal/config"
+	"github.com/mgpu-dev/mgpu/internal/device"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files in testdata/")
@@ -192,5 +195,22 @@ func TestVersion(t *testing.T) {
 	out, _, code := run(t, "version")
 	if code != 0 || !strings.HasPrefix(out, "mgpu-cli ") {
 		t.Fatalf("%d %q", code, out)
+	}
+}
+
+// The device report's weights with online/offline co-location: offline
+// cores count in the total and in compute_free_weight, not in
+// compute_free_weight_online; the switch shown is the running enforcer's.
+func TestDeviceReportOnlineOffline(t *testing.T) {
+	dev := device.Info{Index: 0, MemoryBytes: 81920 << 20}
+	s := config.Default().Defaults
+	r := NewDeviceReport(dev, s, Allocation{Instances: 3, CoreSum: 70, OfflineSum: 50, Switch: 1, Live: true})
+	if r.ComputeFreeWeight != 0 || r.ComputeFreeWeightOnline != 30 || r.ComputeTotalWeightNativeBurst != 120 || r.OnlineOfflineSwitch != 1 {
+		t.Errorf("live, 70 online + 50 offline: %+v", r)
+	}
+	s.OnlineOfflineSwitch = 1
+	r = NewDeviceReport(dev, s, Allocation{})
+	if r.ComputeFreeWeight != 100 || r.ComputeFreeWeightOnline != 100 || r.OnlineOfflineSwitch != 1 {
+		t.Errorf("no enforcer, the config's switch 1: %+v", r)
 	}
 }

@@ -18,7 +18,9 @@ import (
 // Allocation is what a device has handed out to instances.
 type Allocation struct {
 	Instances   int    // number of instances
-	CoreSum     int    // sum of their cores (weights under native-burst-share)
+	CoreSum     int    // sum of the online instances' cores (weights under native-burst-share)
+	OfflineSum  int    // sum of the offline instances' cores (weights among them)
+	Switch      int    // the online_offline_switch the device runs
 	MemoryBytes uint64 // sum of their memory quotas
 	Live        bool   // read from the device's running enforcer
 }
@@ -58,9 +60,11 @@ const instanceDeployModeUserSpace = 1
 
 // NewDeviceReport computes the report of dev under settings s.
 func NewDeviceReport(dev device.Info, s config.DeviceSettings, a Allocation) DeviceReport {
-	free := 100 - a.CoreSum
-	if free < 0 {
-		free = 0
+	free := max(0, 100-a.CoreSum-a.OfflineSum)
+	freeOnline := max(0, 100-a.CoreSum)
+	sw := s.OnlineOfflineSwitch
+	if a.Live {
+		sw = a.Switch
 	}
 	var vfree uint64
 	if a.MemoryBytes < dev.MemoryBytes {
@@ -69,11 +73,12 @@ func NewDeviceReport(dev device.Info, s config.DeviceSettings, a Allocation) Dev
 	r := DeviceReport{
 		DeviceID:                      dev.Index,
 		ComputeFreeWeight:             free,
-		ComputeFreeWeightOnline:       free,
+		ComputeFreeWeightOnline:       freeOnline,
 		ComputePolicy:                 s.ComputePolicy.Code(),
 		ComputeTimeslice:              s.ComputeTimeslice,
 		ComputeTimesliceNativeBurst:   s.ComputeTimesliceNativeBurst,
-		ComputeTotalWeightNativeBurst: a.CoreSum,
+		ComputeTotalWeightNativeBurst: a.CoreSum + a.OfflineSum,
+		OnlineOfflineSwitch:           sw,
 		DeviceMajor:                   nodeMajor(dev.Nodes),
 		InstanceDeployMode:            instanceDeployModeUserSpace,
 		VmemFreeBytes:                 vfree,

@@ -33,7 +33,8 @@ func liveAllocation(cfg *config.Config, dev device.Info) (Allocation, bool) {
 	if err != nil {
 		return Allocation{}, false
 	}
-	return Allocation{Instances: r.Instances, CoreSum: r.CoreSum, MemoryBytes: r.MemoryAllocatedMiB << 20, Live: true}, true
+	return Allocation{Instances: r.Instances, CoreSum: r.CoreSum, OfflineSum: r.OfflineCoreSum, Switch: r.OnlineOfflineSwitch,
+		MemoryBytes: r.MemoryAllocatedMiB << 20, Live: true}, true
 }
 
 // notRunning rewrites a dial failure into one actionable line.

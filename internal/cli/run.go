@@ -19,6 +19,7 @@ import (
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/internal/config"
 	"github.com/mgpu-dev/mgpu/internal/device"
+	"github.com/mgpu-dev/mgpu/internal/policy"
 )
 
 // EnvShim overrides where mgpu-cli run finds the shim.
@@ -81,6 +82,11 @@ func runCommand(c *cli.Context) error {
 			return usagef("--%s is required", f)
 		}
 	}
+	if v := c.String("class"); v != "" {
+		if _, err := policy.ParseClass(v); err != nil {
+			return usagef("--class %q: want online or offline", v)
+		}
+	}
 	cfg, devs, err := openDevices(c)
 	if err != nil {
 		return err
@@ -105,7 +111,7 @@ func runCommand(c *cli.Context) error {
 	client := controlClient(cfg, index)
 	ctx, cancel := context.WithTimeout(c.Context, controlTimeout)
 	out, err := client.Create(ctx, api.CreateRequest{
-		Kind: api.KindProcessTree, PID: os.Getpid(), Policy: c.String("policy"),
+		Kind: api.KindProcessTree, PID: os.Getpid(), Policy: c.String("policy"), Class: c.String("class"),
 		Core: c.Int("core"), MemoryMiB: uint64(c.Int("memory")), //nolint:gosec // checked >= 0
 	})
 	cancel()
@@ -200,7 +206,7 @@ func init() {
 	commands = append(commands, &cli.Command{
 		Name:      "run",
 		Usage:     "run a command with a GPU quota, without a container",
-		UsageText: "mgpu-cli run --device X --core C --memory M [--policy P] [--shim PATH] -- CMD [ARGS]",
+		UsageText: "mgpu-cli run --device X --core C --memory M [--policy P] [--class online|offline] [--shim PATH] -- CMD [ARGS]",
 		Description: "Creates a process-tree instance on device X (its processes are mgpu-cli and every\n" +
 			"descendant), runs CMD with the shim preloaded and the device visible, streams its\n" +
 			"output, forwards SIGINT and SIGTERM, releases the instance when CMD ends and exits\n" +
@@ -210,6 +216,7 @@ func init() {
 			&cli.IntFlag{Name: "core", Usage: "compute quota `C`, percent of the device's time (1..100)"},
 			&cli.IntFlag{Name: "memory", Usage: "device-memory quota `M` in MiB"},
 			&cli.StringFlag{Name: "policy", Usage: "`P`, the policy the command expects; refused when the device runs another"},
+			&cli.StringFlag{Name: "class", Usage: "priority `CLASS`: online (default) or offline, which runs only on time online instances leave (the device needs online_offline_switch = 1)"},
 			&cli.StringFlag{Name: "shim", Usage: "preload the shim at `PATH` (default: $" + EnvShim + ", then the installed one)"},
 		},
 		Action: runCommand,

@@ -90,6 +90,15 @@ func TestRunCommand(t *testing.T) {
 	if _, errs, code = n.run(t, "run", "--device", "0", "--core", "30", "--", "true"); code != 2 || !strings.Contains(errs, "--memory is required") {
 		t.Fatalf("missing flag: %d %q", code, errs)
 	}
+	// --class: a bad value is a usage error; offline on a device without
+	// online_offline_switch is the enforcer's refusal.
+	if _, errs, code = n.run(t, "run", "--device", "0", "--core", "30", "--memory", "1", "--class", "batch", "--", "true"); code != 2 || !strings.Contains(errs, `--class "batch": want online or offline`) {
+		t.Fatalf("bad class: %d %q", code, errs)
+	}
+	out, errs, code = n.run(t, "run", "--device", "0", "--core", "30", "--memory", "1", "--class", "offline", "--shim", n.shim, "--", "echo", "ran")
+	if code != 1 || out != "" || !strings.Contains(errs, "mgpu: device 0 does not admit offline instances (online_offline_switch = 0)") {
+		t.Fatalf("offline refused: %d %q %q", code, out, errs)
+	}
 }
 
 // TestRunSignals: the instance lives while CMD runs, SIGTERM is forwarded,

@@ -2,6 +2,7 @@ package cli
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -35,6 +36,7 @@ type topInstance struct {
 	Pod              string   `json:"pod"`
 	Container        string   `json:"container"`
 	Core             int      `json:"core"`
+	Class            string   `json:"class"` // online or offline
 	SharePercent     *float64 `json:"share_percent"`
 	MemoryUsedMiB    uint64   `json:"memory_used_mib"`
 	MemoryQuotaMiB   uint64   `json:"memory_quota_mib"`
@@ -142,7 +144,7 @@ func newTopFrame(prev, cur nodeSample) topFrame {
 		stats := statsByName(d.Stats)
 		for _, in := range d.Instances {
 			ti := topInstance{
-				Name: in.Name, ContainerID: in.ContainerID, Core: in.Core,
+				Name: in.Name, ContainerID: in.ContainerID, Core: in.Core, Class: cmp.Or(in.Class, "online"),
 				MemoryQuotaMiB: in.MemoryMiB, Processes: in.Processes, kind: in.Kind, pid: in.PID,
 			}
 			if in.Pod != nil {
@@ -239,9 +241,9 @@ func writeTopTable(w io.Writer, f topFrame, hint string) error {
 	if len(instances) == 0 {
 		b.WriteString("no instances\n")
 	} else {
-		fmt.Fprintln(tw, "INSTANCE\tCONTAINER\tCORE\tSHARE\tMEMORY(MiB)\tTHROTTLED\tPROCESSES")
+		fmt.Fprintln(tw, "INSTANCE\tCONTAINER\tCLASS\tCORE\tSHARE\tMEMORY(MiB)\tTHROTTLED\tPROCESSES")
 		for _, in := range instances {
-			fmt.Fprintf(tw, "%s\t%s\t%d%%\t%s %4s\t%d/%d\t%s\t%d\n", in.Name, in.who(), in.Core,
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%d%%\t%s %4s\t%d/%d\t%s\t%d\n", in.Name, in.who(), in.Class, in.Core,
 				shareBar(in.SharePercent), percent(in.SharePercent), in.MemoryUsedMiB, in.MemoryQuotaMiB,
 				percent(in.ThrottledPercent), in.Processes)
 		}

@@ -88,7 +88,7 @@ func TestTopJSONFields(t *testing.T) {
 		{"device", devs[0], "busy_percent index instances memory_allocated_mib memory_mib policy running"},
 		{"device not running", devs[1], "busy_percent error index instances memory_allocated_mib memory_mib policy running"},
 		{"instance", devs[0].(map[string]any)["instances"].([]any)[0],
-			"container container_id core memory_quota_mib memory_used_mib name namespace pod processes share_percent throttled_percent"},
+			"class container container_id core memory_quota_mib memory_used_mib name namespace pod processes share_percent throttled_percent"},
 	} {
 		if got := keys(tc.obj); got != tc.want {
 			t.Errorf("%s: keys %q, want %q", tc.name, got, tc.want)
@@ -294,7 +294,7 @@ func TestTopOnceCommand(t *testing.T) {
 		t.Fatalf("status %d: %s", code, stderr)
 	}
 	if strings.Count(out, "mgpu top  ") != 1 || strings.Contains(out, "\x1b") || strings.Contains(out, "(q: quit)") ||
-		!strings.Contains(out, "\nmgpu0inst0  ml/trainer-7d9f8-x2x4q/pytorch  50%   [..........]   0%  2049/8192    0%         1\n") ||
+		!strings.Contains(out, "\nmgpu0inst0  ml/trainer-7d9f8-x2x4q/pytorch  online  50%   [..........]   0%  2049/8192    0%         1\n") ||
 		!strings.Contains(out, "\n1    not running  -            -     -/23028      -\n") {
 		t.Errorf("frame:\n%s", out)
 	}

@@ -75,6 +75,11 @@ type DeviceSettings struct {
 	ComputeTimesliceNativeBurst int `toml:"compute_timeslice_native_burst"`
 	// MaxInstances is the most instances the device admits.
 	MaxInstances int `toml:"max_instances"`
+	// OnlineOfflineSwitch is online/offline co-location: 0 (default) off,
+	// every instance online (an offline one is refused); 1 on, offline
+	// instances run on device time no online instance wants
+	// (docs/arbiter.md "Online and offline instances").
+	OnlineOfflineSwitch int `toml:"online_offline_switch"`
 }
 
 // DeviceConfig overrides the defaults for the device with the given index.
@@ -85,6 +90,7 @@ type DeviceConfig struct {
 	ComputeTimeslice            int            `toml:"compute_timeslice"`
 	ComputeTimesliceNativeBurst int            `toml:"compute_timeslice_native_burst"`
 	MaxInstances                int            `toml:"max_instances"`
+	OnlineOfflineSwitch         *int           `toml:"online_offline_switch"`
 }
 
 // SimConfig describes the simulated GPUs of the sim backend.
@@ -262,6 +268,9 @@ func (c *Config) Device(index int) DeviceSettings {
 		}
 		if d.MaxInstances != 0 {
 			s.MaxInstances = d.MaxInstances
+		}
+		if d.OnlineOfflineSwitch != nil {
+			s.OnlineOfflineSwitch = *d.OnlineOfflineSwitch
 		}
 	}
 	return s
@@ -459,6 +468,9 @@ func (c *Config) validate() error {
 		if d.ComputePolicy != nil {
 			s.ComputePolicy = *d.ComputePolicy
 		}
+		if d.OnlineOfflineSwitch != nil {
+			s.OnlineOfflineSwitch = *d.OnlineOfflineSwitch
+		}
 		if err := validateSettings(key, s, true); err != nil {
 			return err
 		}
@@ -545,6 +557,9 @@ func validateSettings(prefix string, s DeviceSettings, override bool) error {
 	}
 	if outside(s.MaxInstances, 1, MaxMaxInstances) {
 		return &Error{Key: prefix + ".max_instances", Err: fmt.Errorf("must be 1..%d, got %d", MaxMaxInstances, s.MaxInstances)}
+	}
+	if s.OnlineOfflineSwitch != 0 && s.OnlineOfflineSwitch != 1 {
+		return &Error{Key: prefix + ".online_offline_switch", Err: fmt.Errorf("must be 0 (off) or 1 (offline instances use the time online ones leave), got %d", s.OnlineOfflineSwitch)}
 	}
 	return nil
 }

@@ -40,10 +40,12 @@ func TestDefaultsAndOverrides(t *testing.T) {
 backend = "sim"
 [defaults]
 compute_timeslice = 50
+online_offline_switch = 1
 [[device]]
 index = 1
 compute_policy = "native-burst-share"
 max_instances = 4
+online_offline_switch = 0
 [[sim.gpu]]
 [[sim.gpu]]
 name = "Small"
@@ -53,10 +55,11 @@ memory_mib = 1024
 		t.Fatal(err)
 	}
 	d0, d1 := c.Device(0), c.Device(1)
-	if d0.ComputePolicy != policy.FixedShare || d0.Period() != 50*time.Millisecond || d0.MaxInstances != 16 {
+	if d0.ComputePolicy != policy.FixedShare || d0.Period() != 50*time.Millisecond || d0.MaxInstances != 16 || d0.OnlineOfflineSwitch != 1 {
 		t.Errorf("device 0: %+v", d0)
 	}
-	if d1.ComputePolicy != policy.NativeBurstShare || d1.Period() != 50*time.Millisecond || d1.MaxInstances != 4 {
+	// A device's 0 overrides the defaults' 1.
+	if d1.ComputePolicy != policy.NativeBurstShare || d1.Period() != 50*time.Millisecond || d1.MaxInstances != 4 || d1.OnlineOfflineSwitch != 0 {
 		t.Errorf("device 1: %+v", d1)
 	}
 	if d1.NativeSlice() != 20000*time.Microsecond {
@@ -153,6 +156,8 @@ func TestErrors(t *testing.T) {
 		{"string for int", "version = 1\n[defaults]\nmax_instances = \"many\"\n", 3, "defaults.max_instances", "incompatible types"},
 		{"zero timeslice", "version = 1\n[defaults]\ncompute_timeslice = 0\n", 3, "defaults.compute_timeslice", "must be 1..10000"},
 		{"too many instances", "version = 1\n[defaults]\nmax_instances = 1000\n", 3, "defaults.max_instances", "must be 1..128"},
+		{"online_offline_switch 2", "version = 1\n[defaults]\nonline_offline_switch = 2\n", 3, "defaults.online_offline_switch", "must be 0 (off) or 1"},
+		{"device online_offline_switch -1", "version = 1\n[[device]]\nindex = 0\nonline_offline_switch = -1\n", 4, "device[0].online_offline_switch", "must be 0 (off) or 1"},
 		{"bad backend", "version = 1\nbackend = \"cuda\"\n", 2, "backend", `unknown backend "cuda"`},
 		{"sim without gpus", "version = 1\nbackend = \"sim\"\n", 2, "backend", "needs at least one"},
 		{"missing version", "backend = \"nvml\"\n", 1, "version", "missing"},

@@ -82,7 +82,7 @@ var (
 	devMemFree   = newDesc("mgpu_device_memory_free_bytes", prometheus.GaugeValue, "bytes", "Device memory not allocated to instances' quotas.", deviceLabels)
 	devInstances = newDesc("mgpu_device_instances", prometheus.GaugeValue, "", "Instances admitted on the device.", deviceLabels)
 
-	instInfo      = newDesc("mgpu_instance_info", prometheus.GaugeValue, "", "Always 1: the instance's compute policy and kind as labels.", instanceLabels, "policy", "kind")
+	instInfo      = newDesc("mgpu_instance_info", prometheus.GaugeValue, "", "Always 1: the instance's compute policy, kind and priority class (online, offline) as labels.", instanceLabels, "policy", "kind", "class")
 	instMemQuota  = newDesc("mgpu_instance_memory_quota_bytes", prometheus.GaugeValue, "bytes", "The instance's device-memory quota.", instanceLabels)
 	instMemUsed   = newDesc("mgpu_instance_memory_used_bytes", prometheus.GaugeValue, "bytes", "Device memory the instance's processes hold (what the shims reserved).", instanceLabels)
 	instQuota     = newDesc("mgpu_instance_compute_quota_ratio", prometheus.GaugeValue, "ratio", "The instance's compute quota (core / 100; under native-burst-share its weight / 100).", instanceLabels)
@@ -126,7 +126,7 @@ func Metrics() []Metric {
 		case "mgpu_device_info":
 			m.Labels = append(append([]string{}, deviceLabels...), "name", "policy")
 		case "mgpu_instance_info":
-			m.Labels = append(append([]string{}, instanceLabels...), "policy", "kind")
+			m.Labels = append(append([]string{}, instanceLabels...), "policy", "kind", "class")
 		}
 		out = append(out, m)
 	}
@@ -213,7 +213,7 @@ func (c *Collector) emit(ch chan<- prometheus.Metric, t Target, sn snapshot) {
 		if in.Pod != nil {
 			il[3], il[4], il[5] = in.Pod.Namespace, in.Pod.Name, in.Pod.Container
 		}
-		gauge(instInfo, 1, append(il, in.Policy, string(in.Kind))...)
+		gauge(instInfo, 1, append(il, in.Policy, string(in.Kind), classLabel(in.Class))...)
 		gauge(instMemQuota, float64(in.MemoryMiB<<20), il...)
 		gauge(instMemUsed, float64(s.MemoryUsedBytes), il...)
 		gauge(instQuota, float64(in.Core)/100, il...)
@@ -228,3 +228,12 @@ func (c *Collector) emit(ch chan<- prometheus.Metric, t Target, sn snapshot) {
 }
 
 func seconds(ns uint64) float64 { return float64(ns) / 1e9 }
+
+// classLabel is an instance's class label: online when the enforcer does
+// not say (one older than the class).
+func classLabel(c string) string {
+	if c == "" {
+		return "online"
+	}
+	return c
+}

@@ -68,6 +68,11 @@ func Admit(pod *corev1.Pod) ([]PatchOperation, error) {
 	if err != nil {
 		d.add("%s: %v", annotationField, err)
 	}
+	if v, ok := pod.Annotations[ClassKey]; ok {
+		if _, cerr := policy.ParseClass(v); cerr != nil {
+			d.add("metadata.annotations[%s]: %q is not a priority class; set online or offline (offline runs only on GPU time online pods leave, on GPUs of online_offline_switch = 1)", ClassKey, v)
+		}
+	}
 	wants := validateContainers(pod, &d)
 	if wants && err == nil {
 		if v, ok := pod.Spec.NodeSelector[PolicyKey]; ok && v != pol.String() {
@@ -85,6 +90,10 @@ func Admit(pod *corev1.Pod) ([]PatchOperation, error) {
 }
 
 const annotationField = "metadata.annotations[" + PolicyKey + "]"
+
+// ClassKey is the pod annotation of the priority class (online, offline;
+// hook.AnnotationClass).
+const ClassKey = "vke.volcengine.com/mgpu-class"
 
 // podPolicy returns the policy the pod's annotation names, or the default.
 func podPolicy(pod *corev1.Pod) (policy.Policy, error) {

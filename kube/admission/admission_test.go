@@ -125,6 +125,10 @@ func TestAdmitValidation(t *testing.T) {
 			`metadata.annotations[vke.volcengine.com/mgpu-compute-policy]: "" is not a compute policy; set one of fixed-share, guaranteed-burst-share, native-burst-share`,
 		}},
 		{name: "policy without mgpu", pod: withAnnotation(podOf(res(nil)), "native-burst-share")},
+		{name: "bad class", pod: withClass(podOf(mgpu("30", "1024")), "batch"), want: []string{
+			`metadata.annotations[vke.volcengine.com/mgpu-class]: "batch" is not a priority class; set online or offline (offline runs only on GPU time online pods leave, on GPUs of online_offline_switch = 1)`,
+		}},
+		{name: "offline class", pod: withClass(podOf(mgpu("30", "1024")), "offline"), ops: true},
 		{name: "policy", pod: withAnnotation(podOf(mgpu("30", "1024")), "guaranteed-burst-share"), ops: true},
 		{
 			name: "init container", pod: initPod,
@@ -414,4 +418,13 @@ func TestEscape(t *testing.T) {
 			t.Errorf("escape(%q) = %q, want %q", in, got, want)
 		}
 	}
+}
+
+// withClass sets the pod's priority class annotation.
+func withClass(p *corev1.Pod, v string) *corev1.Pod {
+	if p.Annotations == nil {
+		p.Annotations = map[string]string{}
+	}
+	p.Annotations[ClassKey] = v
+	return p
 }

@@ -58,6 +58,9 @@ type Assignment struct {
 	Container
 	// Policy is the pod's compute policy (its annotation, else fixed-share).
 	Policy string `json:"policy"`
+	// Class is the pod's priority class (its annotation
+	// vke.volcengine.com/mgpu-class), "online" or "offline"; "" online.
+	Class string `json:"class,omitempty"`
 	// GPUs, by index.
 	GPUs []GPU `json:"gpus"`
 }

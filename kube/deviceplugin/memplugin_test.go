@@ -310,3 +310,26 @@ func TestAddBare(t *testing.T) {
 		t.Errorf("GPU 1 (its enforcer does not answer) %+v, want none", g)
 	}
 }
+
+// A pod's class annotation reaches its assignment; a bad one is refused.
+func TestResolveClass(t *testing.T) {
+	t.Parallel()
+	off := pod("a", "30", "1024", "")
+	off.Annotations = map[string]string{ClassKey: "offline"}
+	bad := pod("b", "30", "1024", "")
+	bad.Annotations = map[string]string{ClassKey: "Offline"}
+	pods := &fakePods{pods: []corev1.Pod{off, bad}}
+	allocs := &fakeAllocs{allocs: []Allocation{
+		{Namespace: "ns", Pod: "a", Container: "main", Resource: ResourceName, IDs: ids(0, 0, 30)},
+		{Namespace: "ns", Pod: "b", Container: "main", Resource: ResourceName, IDs: ids(0, 30, 30)},
+	}}
+	r := NewResolver("n1", []int{0, 1}, pods, allocs)
+	a, err := r.Resolve(context.Background(), agentapi.Container{Namespace: "ns", Pod: "a", UID: "uid-a", Container: "main"})
+	if err != nil || a.Class != "offline" {
+		t.Fatalf("offline pod: %+v, %v", a, err)
+	}
+	_, err = r.Resolve(context.Background(), agentapi.Container{Namespace: "ns", Pod: "b", UID: "uid-b", Container: "main"})
+	if err == nil || !strings.Contains(err.Error(), `annotation vke.volcengine.com/mgpu-class: unknown priority class "Offline" (want online or offline)`) {
+		t.Fatalf("bad class: %v", err)
+	}
+}

@@ -143,6 +143,21 @@ func PolicyOf(pod *corev1.Pod) (policy.Policy, error) {
 	return p, nil
 }
 
+// ClassKey is the pod annotation of a pod's priority class.
+const ClassKey = hook.AnnotationClass
+
+// ClassOf is a pod's priority class: its annotation, else "" (online).
+func ClassOf(pod *corev1.Pod) (string, error) {
+	v, ok := pod.Annotations[ClassKey]
+	if !ok {
+		return "", nil
+	}
+	if _, err := policy.ParseClass(v); err != nil {
+		return "", fmt.Errorf("annotation %s: %w", ClassKey, err)
+	}
+	return v, nil
+}
+
 // findContainer returns the spec of a pod's container (or init container).
 func findContainer(pod *corev1.Pod, name string) *corev1.Container {
 	for _, l := range [][]corev1.Container{pod.Spec.Containers, pod.Spec.InitContainers} {
@@ -238,6 +253,10 @@ func (r *Resolver) Resolve(ctx context.Context, c agentapi.Container) (agentapi.
 	if err != nil {
 		return agentapi.Assignment{}, refuse(c, "%v", err)
 	}
+	class, err := ClassOf(pod)
+	if err != nil {
+		return agentapi.Assignment{}, refuse(c, "%v", err)
+	}
 
 	allocs, err := r.allocs.Allocations(ctx)
 	if err != nil {
@@ -264,7 +283,7 @@ func (r *Resolver) Resolve(ctx context.Context, c agentapi.Container) (agentapi.
 		by[id.GPU]++
 	}
 	gpus := slices.Sorted(maps.Keys(by))
-	out := agentapi.Assignment{Container: c, Policy: pol.String()}
+	out := agentapi.Assignment{Container: c, Policy: pol.String(), Class: class}
 	if req.Core < IDsPerGPU {
 		if len(gpus) != 1 {
 			return agentapi.Assignment{}, refuse(c, "%s %d must come from one GPU; the kubelet allocated IDs of %d GPUs", sch.Core, req.Core, len(gpus))
@@ -420,5 +439,9 @@ func (r *Resolver) resolveMemory(ctx context.Context, c agentapi.Container, pod 
 	if v, ok := pod.Annotations[PolicyKey]; ok && v != pol.String() {
 		return agentapi.Assignment{}, refuse(c, "annotation %s is %q; under %s=%s a container runs under its GPU's policy, %s (remove the annotation)", PolicyKey, v, ModeLabel, sch.Mode, pol)
 	}
-	return agentapi.Assignment{Container: c, Policy: pol.String(), GPUs: []agentapi.GPU{{Index: g, Core: cgpuCore, MemoryMiB: req.MemoryMiB}}}, nil
+	class, err := ClassOf(pod)
+	if err != nil {
+		return agentapi.Assignment{}, refuse(c, "%v", err)
+	}
+	return agentapi.Assignment{Container: c, Policy: pol.String(), Class: class, GPUs: []agentapi.GPU{{Index: g, Core: cgpuCore, MemoryMiB: req.MemoryMiB}}}, nil
 }

@@ -34,6 +34,8 @@ type NodeConfig struct {
 	Policies     map[int]policy.Policy // per device (default fixed-share)
 	TimesliceMS  int                   // compute_timeslice (0: the config default)
 	MaxInstances int                   // max_instances (0: the config default)
+	// OnlineOffline is every device's online_offline_switch (0: off).
+	OnlineOffline int
 	// Shim overrides the shim library.
 	Shim string
 	// ASan uses the ASan/UBSan build of the shim (build/lib/asan), with
@@ -132,6 +134,9 @@ func NewNode(nc NodeConfig) (*Node, error) {
 	if nc.MaxInstances != 0 {
 		fmt.Fprintf(&b, "max_instances = %d\n", nc.MaxInstances)
 	}
+	if nc.OnlineOffline != 0 {
+		fmt.Fprintf(&b, "online_offline_switch = %d\n", nc.OnlineOffline)
+	}
 	for dev := 0; dev < nc.Devices; dev++ {
 		if p, ok := nc.Policies[dev]; ok {
 			fmt.Fprintf(&b, "\n[[device]]\nindex = %d\ncompute_policy = %q\n", dev, p.String())
@@ -193,6 +198,7 @@ type RunSpec struct {
 	Core      int
 	MemoryMiB int
 	Policy    string   // "" means the device's
+	Class     string   // priority class, "online" or "offline"; "" the default (online)
 	Args      []string // mgpu-workload's arguments
 	Env       []string // extra environment
 	// Program replaces mgpu-workload (Args are then its arguments).
@@ -218,6 +224,9 @@ func (n *Node) Start(spec RunSpec) (*Job, error) {
 		"--core", strconv.Itoa(spec.Core),
 		"--memory", strconv.Itoa(spec.MemoryMiB),
 		"--shim", n.Shim}
+	if spec.Class != "" {
+		args = append(args, "--class", spec.Class)
+	}
 	if spec.Policy != "" {
 		args = append(args, "--policy", spec.Policy)
 	}

@@ -59,6 +59,12 @@ func startTime(pid int) string {
 // Shell starts a shell and registers it with device dev's enforcer as the
 // root of a new instance with the given quota.
 func (n *Node) Shell(dev, core, memoryMiB int) (*Shell, error) {
+	return n.ShellClass(dev, core, memoryMiB, "")
+}
+
+// ShellClass is Shell with the instance's priority class ("online",
+// "offline"; "" the default, online).
+func (n *Node) ShellClass(dev, core, memoryMiB int, class string) (*Shell, error) {
 	cmd := exec.Command("/bin/sh", "-s")
 	cmd.Env = n.ShimEnv(dev)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -80,6 +86,7 @@ func (n *Node) Shell(dev, core, memoryMiB int) (*Shell, error) {
 	resp, err := n.Client(dev).Create(ctx, api.CreateRequest{
 		Kind: api.KindProcessTree, ContainerID: fmt.Sprintf("shell-%d", cmd.Process.Pid),
 		PID: cmd.Process.Pid, Core: core, MemoryMiB: uint64(memoryMiB), //nolint:gosec // test quotas
+		Class: class,
 	})
 	if err != nil {
 		_ = cmd.Process.Kill()

@@ -21,7 +21,7 @@ var epsilon = tol.Tolerance()
 // load is one saturating workload of a share scenario.
 type load struct {
 	core int
-	args []string // mgpu-workload compute options (after "compute")
+	args []string // mgpu-workload compute options (after "compute"; "--class C" first: the instance's priority class)
 }
 
 func saturating(api string, kernelUS, depth int, extra ...string) []string {
@@ -54,7 +54,11 @@ func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, w
 	secs := (warm + win + 5*time.Second).Seconds()
 	procs := make([]harness.Proc, len(loads))
 	for i, l := range loads {
-		sh, err := n.Shell(0, l.core, 1024)
+		class := ""
+		if len(l.args) > 1 && l.args[0] == "--class" {
+			class, l.args = l.args[1], l.args[2:]
+		}
+		sh, err := n.ShellClass(0, l.core, 1024, class)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -146,3 +146,25 @@ func TestFixedShareSynchronisedSteps(t *testing.T) {
 		})
 	}
 }
+
+// TestOnlineOfflineShares: two online fixed-share instances of 30 and 40
+// beside a saturating offline one (online_offline_switch = 1): the online
+// ones get 30 and 40 as if alone, the offline one the rest, each ± 2,
+// under every device model (issue 18; docs/arbiter.md "Online and offline
+// instances").
+func TestOnlineOfflineShares(t *testing.T) {
+	loads := []load{
+		{30, saturating("launch", 200, 16)},
+		{40, saturating("launch", 200, 16)},
+		{50, append([]string{"--class", "offline"}, saturating("launch", 200, 16)...)},
+	}
+	forEachModel(t, func(t *testing.T, model string) {
+		nc := onModel(policy.FixedShare, model)
+		nc.OnlineOffline = 1
+		shares, dev := measureSharesDev(t, nc, loads, time.Second, tol.Window())
+		within(t, "online 30", shares[0], 30)
+		within(t, "online 40", shares[1], 40)
+		within(t, "offline (the rest)", shares[2], 30)
+		busyAtLeast(t, dev, 97)
+	})
+}
