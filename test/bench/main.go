@@ -54,11 +54,11 @@ func (b *bench) report(name string, value float64, unit, target string) {
 }
 
 func main() {
-	only := flag.String("only", "", "comma-separated sections to run (arbiter,launch,alloc,start,share,reclaim,cpu,metrics,hook); default all")
+	only := flag.String("only", "", "comma-separated sections to run (arbiter,launch,alloc,start,share,reclaim,cpu,metrics,hook,priority); default all")
 	hookN := flag.Int("hook-containers", 20, "containers per variant (with and without the hooks) and engine in the hook section")
 	rounds := flag.Int("rounds", 5, "interleaved rounds per side-by-side measurement")
 	win := flag.Duration("window", 4*time.Second, "measurement window of each share case")
-	models := flag.String("models", strings.Join(benchModels, ","), "comma-separated simulated device models of the share section (slice, timer:1ms, timer:2ms, kernel)")
+	models := flag.String("models", strings.Join(benchModels, ","), "comma-separated simulated device models of the share and priority sections (slice, timer:1ms, timer:2ms, kernel)")
 	flag.Parse()
 	b := &bench{out: os.Stdout, rounds: *rounds, window: *win, hookN: *hookN}
 	for _, m := range strings.Split(*models, ",") {
@@ -83,6 +83,7 @@ func main() {
 		{"cpu", b.enforcerCPU},
 		{"metrics", b.metricsCost},
 		{"hook", b.hookCost},
+		{"priority", b.priority},
 	}
 	want := map[string]bool{}
 	for _, s := range strings.Split(*only, ",") {
@@ -650,4 +651,111 @@ func (b *bench) hookCost() error {
 		b.report("hook_remove_overhead_"+engine, ms(res.RemoveOverhead()), "ms", "")
 	}
 	return nil
+}
+
+// priority is online/offline co-location (issue 18): an online instance
+// serving requests (a burst of 10 kernels of 200 µs every 5 ms: 40 % of
+// the device) alone, then beside a saturating offline instance (kernels of
+// 200 µs), on a device of fixed-share with online_offline_switch = 1, under
+// each device model; the two runs are side by side in one node. It reports
+// the online request latency's p50 and p99 in both, their ratio, the
+// offline instance's part of the device time the online one leaves idle,
+// and the device's busy time.
+func (b *bench) priority() error {
+	for _, m := range b.models {
+		name := strings.ReplaceAll(m, ":", "")
+		n, err := harness.NewNode(harness.NodeConfig{Policies: map[int]policy.Policy{0: policy.FixedShare}, DeviceModel: m, OnlineOffline: 1})
+		if err != nil {
+			return err
+		}
+		res, err := b.priorityCase(n)
+		_ = n.Close()
+		if err != nil {
+			return fmt.Errorf("model %s: %w", m, err)
+		}
+		b.report("priority_online_p50_alone_"+name, res.alone[0], "ms", "")
+		b.report("priority_online_p99_alone_"+name, res.alone[1], "ms", "")
+		b.report("priority_online_p50_beside_offline_"+name, res.beside[0], "ms", "")
+		b.report("priority_online_p99_beside_offline_"+name, res.beside[1], "ms", "")
+		b.report("priority_online_p99_ratio_"+name, res.beside[1]/res.alone[1], "x", "<= 1.10")
+		b.report("priority_offline_of_idle_"+name, res.offlineOfIdle, "%", ">= 80")
+		b.report("priority_device_busy_"+name, res.busy, "%", ">= 95")
+	}
+	return nil
+}
+
+type priorityResult struct {
+	alone, beside [2]float64 // p50, p99 (ms)
+	offlineOfIdle float64    // percent of the time the online instance leaves
+	busy          float64    // percent
+}
+
+// serveLatency matches mgpu-workload serve's percentiles line.
+var serveLatency = regexp.MustCompile(`p50_us=([0-9]+) .*p99_us=([0-9]+)`)
+
+func (b *bench) priorityCase(n *harness.Node) (priorityResult, error) {
+	var r priorityResult
+	if err := n.StartEnforcer(0); err != nil {
+		return r, err
+	}
+	secs := b.window.Seconds() + 2
+	serve := func() (*harness.Job, error) {
+		return n.Start(harness.RunSpec{Device: 0, Core: 60, MemoryMiB: 1024, Class: "online",
+			Args: []string{"serve", "--kernel-us", "200", "--burst", "10", "--period-ms", "5", "--seconds", fmt.Sprintf("%.1f", secs)}})
+	}
+	latencies := func(j *harness.Job) ([2]float64, error) {
+		select {
+		case <-j.Done():
+		case <-time.After(time.Duration(secs+20) * time.Second):
+			return [2]float64{}, errors.New("serve did not finish")
+		}
+		m := serveLatency.FindStringSubmatch(j.Output())
+		if m == nil {
+			return [2]float64{}, fmt.Errorf("serve printed no percentiles: %s", j.Output())
+		}
+		p50, _ := strconv.ParseFloat(m[1], 64)
+		p99, _ := strconv.ParseFloat(m[2], 64)
+		return [2]float64{p50 / 1000, p99 / 1000}, nil
+	}
+	alone, err := serve()
+	if err != nil {
+		return r, err
+	}
+	if r.alone, err = latencies(alone); err != nil {
+		return r, err
+	}
+	off, err := n.Start(harness.RunSpec{Device: 0, Core: 100, MemoryMiB: 1024, Class: "offline",
+		Args: []string{"compute", "--api", "launch", "--kernel-us", "200", "--depth", "16", "--seconds", fmt.Sprintf("%.1f", secs+10)}})
+	if err != nil {
+		return r, err
+	}
+	if err := waitStarted([]*harness.Job{off}); err != nil {
+		return r, err
+	}
+	on, err := serve()
+	if err != nil {
+		return r, err
+	}
+	if err := waitStarted([]*harness.Job{on}); err != nil {
+		return r, err
+	}
+	time.Sleep(time.Second) // settle; the window below is the measurement
+	a, err := n.Sample()
+	if err != nil {
+		return r, err
+	}
+	time.Sleep(b.window)
+	z, err := n.Sample()
+	if err != nil {
+		return r, err
+	}
+	onShare, offShare := harness.Share(a, z, 0, on.Pids()), harness.Share(a, z, 0, off.Pids())
+	r.busy = harness.Share(a, z, 0, nil)
+	if onShare < 100 {
+		r.offlineOfIdle = 100 * offShare / (100 - onShare)
+	}
+	if r.beside, err = latencies(on); err != nil {
+		return r, err
+	}
+	return r, nil
 }
