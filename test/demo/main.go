@@ -37,6 +37,7 @@ type workload struct {
 	core  int
 	delay time.Duration // idle before the first launch
 	run   time.Duration // how long it launches; 0: until the scenario ends
+	class string        // priority class ("": online)
 }
 
 type scenario struct {
@@ -44,6 +45,19 @@ type scenario struct {
 	policy    policy.Policy
 	workloads []workload
 	phases    []phase
+	// onlineOffline runs the device with online_offline_switch = 1; the
+	// results are labelled online/offline instead of the policy.
+	onlineOffline bool
+	// kernelUS, when set, replaces --kernel-us for the scenario.
+	kernelUS int
+}
+
+// label names the scenario in the results table.
+func (sc scenario) label() string {
+	if sc.onlineOffline {
+		return "online/offline"
+	}
+	return sc.policy.String()
 }
 
 type result struct {
@@ -57,7 +71,7 @@ func scenarios(unit time.Duration) []scenario {
 			title:  "fixed-share 20/30/50: each capped at its core",
 			policy: policy.FixedShare,
 			workloads: []workload{
-				{"core 20", 20, 0, 0}, {"core 30", 30, 0, 0}, {"core 50", 50, 0, 0},
+				{"core 20", 20, 0, 0, ""}, {"core 30", 30, 0, 0, ""}, {"core 50", 50, 0, 0, ""},
 			},
 			phases: []phase{{"all busy", 4 * unit, []float64{20, 30, 50}}},
 		},
@@ -67,7 +81,7 @@ func scenarios(unit time.Duration) []scenario {
 			workloads: []workload{
 				// The 70 stops a little after the first phase ends; the
 				// second phase's settling time covers the gap.
-				{"core 30", 30, 0, 0}, {"core 70", 70, 0, 3*unit + 300*time.Millisecond},
+				{"core 30", 30, 0, 0, ""}, {"core 70", 70, 0, 3*unit + 300*time.Millisecond, ""},
 			},
 			phases: []phase{
 				{"both busy", 3 * unit, []float64{30, 70}},
@@ -78,9 +92,25 @@ func scenarios(unit time.Duration) []scenario {
 			title:  "native-burst-share weights 1:3: time in proportion to weight",
 			policy: policy.NativeBurstShare,
 			workloads: []workload{
-				{"weight 1", 1, 0, 0}, {"weight 3", 3, 0, 0},
+				{"weight 1", 1, 0, 0, ""}, {"weight 3", 3, 0, 0, ""},
 			},
 			phases: []phase{{"both busy", 4 * unit, []float64{25, 75}}},
+		},
+		{
+			// Kernels of 200 µs: an offline instance's queue bound is
+			// 500 µs, and with kernels as long as that it runs one at a
+			// time and loses throughput (docs/arbiter.md).
+			title:  "online/offline on fixed-share, kernels of 200 µs: online 30 and 40 as if alone, the offline one takes the rest",
+			policy: policy.FixedShare, onlineOffline: true, kernelUS: 200,
+			workloads: []workload{
+				// The online 40 stops a little after the first phase
+				// ends: its time goes to the offline one, not to the 30.
+				{"online 30", 30, 0, 0, ""}, {"online 40", 40, 0, 3*unit + 300*time.Millisecond, ""}, {"offline", 50, 0, 0, "offline"},
+			},
+			phases: []phase{
+				{"all busy", 3 * unit, []float64{30, 40, 30}},
+				{"40 idle", 3 * unit, []float64{30, -1, 70}},
+			},
 		},
 	}
 }
@@ -127,7 +157,14 @@ func run(ctx context.Context, w io.Writer, unit time.Duration, kernelUS int, mod
 }
 
 func runScenario(ctx context.Context, w io.Writer, tty bool, sc scenario, kernelUS int, model string) ([]result, error) {
-	n, err := harness.NewNode(harness.NodeConfig{Policies: map[int]policy.Policy{0: sc.policy}, DeviceModel: model})
+	if sc.kernelUS > 0 {
+		kernelUS = sc.kernelUS
+	}
+	nc := harness.NodeConfig{Policies: map[int]policy.Policy{0: sc.policy}, DeviceModel: model}
+	if sc.onlineOffline {
+		nc.OnlineOffline = 1
+	}
+	n, err := harness.NewNode(nc)
 	if err != nil {
 		return nil, err
 	}
@@ -150,7 +187,7 @@ func runScenario(ctx context.Context, w io.Writer, tty bool, sc scenario, kernel
 		if wl.delay > 0 {
 			args = append(args, "--idle-ms", strconv.Itoa(int(wl.delay/time.Millisecond)))
 		}
-		j, err := n.Start(harness.RunSpec{Name: wl.label, Device: 0, Core: wl.core, MemoryMiB: 4096, Args: args})
+		j, err := n.Start(harness.RunSpec{Name: wl.label, Device: 0, Core: wl.core, MemoryMiB: 4096, Class: wl.class, Args: args})
 		if err != nil {
 			return nil, err
 		}
@@ -209,7 +246,7 @@ func runScenario(ctx context.Context, w io.Writer, tty bool, sc scenario, kernel
 			if t < 0 {
 				continue
 			}
-			results = append(results, result{sc.policy.String(), ph.name, sc.workloads[i].label, t, harness.Share(begin, prev, 0, pids[i])})
+			results = append(results, result{sc.label(), ph.name, sc.workloads[i].label, t, harness.Share(begin, prev, 0, pids[i])})
 		}
 	}
 	return results, nil

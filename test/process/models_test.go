@@ -149,9 +149,11 @@ func TestFixedShareSynchronisedSteps(t *testing.T) {
 
 // TestOnlineOfflineShares: two online fixed-share instances of 30 and 40
 // beside a saturating offline one (online_offline_switch = 1): the online
-// ones get 30 and 40 as if alone, the offline one the rest, each ± 2,
-// under every device model (issue 18; docs/arbiter.md "Online and offline
-// instances").
+// ones get 30 and 40 ± 2 as if alone, and the offline one the rest of the
+// device: at most 2 points of it idle (issue 18; docs/arbiter.md "Online
+// and offline instances"), under every device model. (Against a fixed 30
+// the offline one measured 28.03-29.35: the online ones overrun their caps
+// by up to 0.8 points beside it, which comes out of its time.)
 func TestOnlineOfflineShares(t *testing.T) {
 	loads := []load{
 		{30, saturating("launch", 200, 16)},
@@ -161,10 +163,11 @@ func TestOnlineOfflineShares(t *testing.T) {
 	forEachModel(t, func(t *testing.T, model string) {
 		nc := onModel(policy.FixedShare, model)
 		nc.OnlineOffline = 1
-		shares, dev := measureSharesDev(t, nc, loads, time.Second, tol.Window())
+		shares, _ := measureSharesDev(t, nc, loads, time.Second, tol.Window())
 		within(t, "online 30", shares[0], 30)
 		within(t, "online 40", shares[1], 40)
-		within(t, "offline (the rest)", shares[2], 30)
-		busyAtLeast(t, dev, 97)
+		if rest := 100 - shares[0] - shares[1]; shares[2] < rest-epsilon {
+			t.Errorf("offline: %.2f%% of the %.2f%% the online instances leave, want all of it - %.0f", shares[2], rest, epsilon)
+		}
 	})
 }
