@@ -38,6 +38,8 @@ type NodeOptions struct {
 	MemoryMiB    int64          // per GPU (default 16384)
 	Policies     map[int]string // compute_policy per device (default fixed-share)
 	MaxInstances int            // max_instances (0: the config default, 16)
+	// OnlineOffline is every device's online_offline_switch (0: off).
+	OnlineOffline int
 	// Log receives the enforcers' output (default: discarded).
 	Log io.Writer
 	// Installed is an installation prefix (a package's: "/usr") whose
@@ -189,6 +191,9 @@ func NewNode(opts NodeOptions) (n *Node, err error) {
 		n.RunDir, n.StateDir, n.Prefix, CDISpecDir)
 	if opts.MaxInstances != 0 {
 		fmt.Fprintf(&b, "max_instances = %d\n", opts.MaxInstances)
+	}
+	if opts.OnlineOffline != 0 {
+		fmt.Fprintf(&b, "online_offline_switch = %d\n", opts.OnlineOffline)
 	}
 	for dev := 0; dev < opts.Devices; dev++ {
 		if p, ok := opts.Policies[dev]; ok {

@@ -68,7 +68,9 @@ const (
 func startMGPU(t *testing.T, policy string, creds int) *mgpuNode {
 	t.Helper()
 	image := workloadImage(t)
-	n, err := e2e.NewNode(e2e.NodeOptions{Devices: 2, MemoryMiB: gpuMiB, Policies: map[int]string{0: policy, 1: policy}})
+	// Online/offline co-location is on: pods are online unless they say
+	// otherwise (testOffline).
+	n, err := e2e.NewNode(e2e.NodeOptions{Devices: 2, MemoryMiB: gpuMiB, Policies: map[int]string{0: policy, 1: policy}, OnlineOffline: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1060,12 +1062,34 @@ func TestMGPUFixedShareNode(t *testing.T) {
 	t.Run("CoreMem", func(t *testing.T) { testCoreMem(t, m) })
 	t.Run("Default", func(t *testing.T) { testDefaultMode(t, m) })
 	t.Run("Topology", func(t *testing.T) { testTopologyMode(t, m) })
+	t.Run("Offline", func(t *testing.T) { testOffline(t, m) })
 	t.Run("CGPURefused", func(t *testing.T) {
 		// cgpu would cap each container at its core 1 under fixed-share.
 		m.labelMode(t, "cgpu")
 		m.waitLogged(t, 15*time.Second, `msg="the node's mode label is not served`, "GPU 0 runs fixed-share")
 		m.setMode(t, "", false)
 	})
+}
+
+// testOffline: a pod annotated vke.volcengine.com/mgpu-class: offline is
+// an offline instance; beside a fixed-share online 30 on its GPU it gets the
+// rest of the GPU's time while the 30 keeps its 30.
+func testOffline(t *testing.T, m *mgpuNode) {
+	on := m.running(t, m.deploy(t, seedDeployment("online30", "", 30, 4096, saturate(3600))).Name, "start")
+	d := seedDeployment("offline50", "", 50, 4096, saturate(3600))
+	d.Spec.Template.Annotations = map[string]string{"vke.volcengine.com/mgpu-class": "offline"}
+	off := m.running(t, m.deploy(t, d).Name, "start")
+	inOn, inOff := m.instanceOf(t, on), m.instanceOf(t, off)
+	if inOn.Class != "online" || inOff.Class != "offline" || inOff.Core != 50 || inOn.Device != inOff.Device {
+		t.Fatalf("instances %+v and %+v, want an online 30 and an offline 50 on one GPU (binpack)", inOn, inOff)
+	}
+	s := m.shares(t, []*corev1.Pod{on, off}, 2*time.Second, 5*time.Second)
+	t.Logf("online 30 beside an offline 50: %.2f / %.2f", s[0], s[1])
+	if math.Abs(s[0]-30) > epsilon || s[1] < 100-s[0]-epsilon {
+		t.Errorf("online %.2f (want 30 ± %.0f), offline %.2f (want the rest, %.2f, - %.0f)", s[0], epsilon, s[1], 100-s[0], epsilon)
+	}
+	m.deleteDeployment(t, "online30")
+	m.deleteDeployment(t, "offline50")
 }
 
 // Keys of ACK's core_mem mode.
