@@ -160,20 +160,7 @@ func (p *Plugin) preferred(ctx context.Context, available, mustInclude []string,
 	if err != nil {
 		return nil, err
 	}
-	// The kubelet lists must-include IDs among the available ones; take
-	// them as available whether it does or not.
-	for g, ids := range must {
-		for _, id := range ids {
-			if !slices.Contains(avail[g], id) {
-				avail[g] = append(avail[g], id)
-			}
-		}
-		slices.SortFunc(avail[g], compareIDs)
-	}
-	nMust := 0
-	for _, ids := range must {
-		nMust += len(ids)
-	}
+	nMust := mergeMust(avail, must, compareIDs)
 	if nMust > size {
 		return nil, invalid("%d must-include IDs for an allocation of %d", nMust, size)
 	}
@@ -330,6 +317,24 @@ func (p *Plugin) placeWithMemory(ctx context.Context, cards []placement.Card, si
 	}
 	p.log.Debug("preferred allocation", "size", size, "memory_mib", com.pending, "gpu", chosen[0])
 	return chosen[0], true
+}
+
+// mergeMust adds the must-include IDs to the available ones (by GPU,
+// sorted by cmp): the kubelet lists them among the available ones, and
+// they are taken as available whether it does or not. It returns how many
+// there are.
+func mergeMust[T comparable](avail, must map[int][]T, cmp func(a, b T) int) int {
+	n := 0
+	for g, ids := range must {
+		for _, id := range ids {
+			if !slices.Contains(avail[g], id) {
+				avail[g] = append(avail[g], id)
+			}
+		}
+		slices.SortFunc(avail[g], cmp)
+		n += len(ids)
+	}
+	return n
 }
 
 func idStrings(ids []ID) []string {

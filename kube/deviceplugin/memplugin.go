@@ -64,16 +64,19 @@ func (p *Plugin) parseMemIDs(ids []string) (map[int][]MemID, error) {
 		by[id.GPU] = append(by[id.GPU], id)
 	}
 	for _, l := range by {
-		slices.SortFunc(l, func(a, b MemID) int { return a.K - b.K })
+		slices.SortFunc(l, compareMemIDs)
 	}
 	return by, nil
 }
+
+// compareMemIDs orders one GPU's memory IDs by k.
+func compareMemIDs(a, b MemID) int { return a.K - b.K }
 
 // memStrings writes IDs, by GPU then k.
 func memStrings(by map[int][]MemID) []string {
 	var out []string
 	for _, g := range slices.Sorted(maps.Keys(by)) {
-		slices.SortFunc(by[g], func(a, b MemID) int { return a.K - b.K })
+		slices.SortFunc(by[g], compareMemIDs)
 		for _, id := range by[g] {
 			out = append(out, id.String())
 		}
@@ -97,18 +100,7 @@ func (p *Plugin) preferredMemory(available, mustInclude []string, size int) ([]s
 	if err != nil {
 		return nil, err
 	}
-	for g, ids := range must {
-		for _, id := range ids {
-			if !slices.Contains(avail[g], id) {
-				avail[g] = append(avail[g], id)
-			}
-		}
-		slices.SortFunc(avail[g], func(a, b MemID) int { return a.K - b.K })
-	}
-	nMust := 0
-	for _, ids := range must {
-		nMust += len(ids)
-	}
+	nMust := mergeMust(avail, must, compareMemIDs)
 	if nMust > size {
 		return nil, invalid("%d must-include IDs for an allocation of %d", nMust, size)
 	}

@@ -269,18 +269,9 @@ func (r *Resolver) Resolve(ctx context.Context, c agentapi.Container) (agentapi.
 	if len(ids) != req.Core {
 		return agentapi.Assignment{}, refuse(c, "it requests %s %d, and the kubelet allocated %d of its device IDs", sch.Core, req.Core, len(ids))
 	}
-	by := map[int]int{}
-	seen := map[ID]bool{}
-	for _, s := range ids {
-		id, err := ParseID(s)
-		if err != nil {
-			return agentapi.Assignment{}, refuse(c, "the kubelet allocated %v", err)
-		}
-		if !slices.Contains(r.gpus, id.GPU) || seen[id] {
-			return agentapi.Assignment{}, refuse(c, "the kubelet allocated device ID %s, which this node does not serve (or twice)", s)
-		}
-		seen[id] = true
-		by[id.GPU]++
+	by, err := perGPU(r.gpus, ids, ParseID, func(id ID) int { return id.GPU })
+	if err != nil {
+		return agentapi.Assignment{}, refuse(c, "%v", err)
 	}
 	gpus := slices.Sorted(maps.Keys(by))
 	out := agentapi.Assignment{Container: c, Policy: pol.String(), Class: class}
@@ -304,6 +295,25 @@ func (r *Resolver) Resolve(ctx context.Context, c agentapi.Container) (agentapi.
 		out.GPUs = append(out.GPUs, agentapi.GPU{Index: g, Core: IDsPerGPU, MemoryMiB: req.MemoryMiB / n})
 	}
 	return out, nil
+}
+
+// perGPU counts the kubelet's allocated IDs by GPU (gpuOf); an ID that
+// does not parse, is of a GPU not in gpus, or comes twice is an error.
+func perGPU[T comparable](gpus []int, ids []string, parse func(string) (T, error), gpuOf func(T) int) (map[int]int, error) {
+	by := map[int]int{}
+	seen := map[T]bool{}
+	for _, s := range ids {
+		id, err := parse(s)
+		if err != nil {
+			return nil, fmt.Errorf("the kubelet allocated %w", err)
+		}
+		if !slices.Contains(gpus, gpuOf(id)) || seen[id] {
+			return nil, fmt.Errorf("the kubelet allocated device ID %s, which this node does not serve (or twice)", s)
+		}
+		seen[id] = true
+		by[gpuOf(id)]++
+	}
+	return by, nil
 }
 
 // commitment is what the kubelet's allocations hold of each GPU's memory,
@@ -415,18 +425,9 @@ func (r *Resolver) resolveMemory(ctx context.Context, c agentapi.Container, pod 
 	if uint64(len(ids)) != gib {
 		return agentapi.Assignment{}, refuse(c, "it requests %s %d, and the kubelet allocated %d of its device IDs", sch.Memory, gib, len(ids))
 	}
-	gpus := map[int]bool{}
-	seen := map[MemID]bool{}
-	for _, s := range ids {
-		id, err := ParseMemID(s)
-		if err != nil {
-			return agentapi.Assignment{}, refuse(c, "the kubelet allocated %v", err)
-		}
-		if !slices.Contains(r.gpus, id.GPU) || seen[id] {
-			return agentapi.Assignment{}, refuse(c, "the kubelet allocated device ID %s, which this node does not serve (or twice)", s)
-		}
-		seen[id] = true
-		gpus[id.GPU] = true
+	gpus, err := perGPU(r.gpus, ids, ParseMemID, func(id MemID) int { return id.GPU })
+	if err != nil {
+		return agentapi.Assignment{}, refuse(c, "%v", err)
 	}
 	if len(gpus) != 1 {
 		return agentapi.Assignment{}, refuse(c, "%s %d must come from one GPU; the kubelet allocated IDs of %d GPUs", sch.Memory, gib, len(gpus))
