@@ -79,8 +79,17 @@ func (e *Enforcer) handleAttach(conn *net.UnixConn) {
 		return
 	}
 	defer func() { _ = unix.Close(pidfd) }()
-	if req.Flags == attach.FlagPeers {
-		resp, fds := e.peers(pid, pidfd)
+	switch req.Flags {
+	case attach.FlagPeers, attach.FlagWake:
+		var (
+			resp attach.Response
+			fds  []int
+		)
+		if req.Flags == attach.FlagPeers {
+			resp, fds = e.peers(pid, pidfd)
+		} else {
+			resp, fds = e.wakeSocket(pid, pidfd)
+		}
 		_ = e.reply(conn, resp, fds)
 		closeFDs(fds)
 		return
@@ -343,17 +352,11 @@ func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerI
 	return resp, fds, in, slot
 }
 
-// peers answers an attached process's request for the read-only proc files
-// of the other attached processes of its instance.
-func (e *Enforcer) peers(pid, pidfd int) (attach.Response, []int) {
-	resp, info, ok := e.inspectCaller(pid, pidfd)
-	if !ok {
-		return resp, nil
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
+// attachedLocked finds the instance and slot of an attached caller; when it
+// is not attached, ok is false and resp is the refusal to send.
+func (e *Enforcer) attachedLocked(resp attach.Response, pid int, info peerInfo) (_ attach.Response, _ *instance, own int, ok bool) {
 	in := e.matchLocked(info)
-	own := -1
+	own = -1
 	if in != nil {
 		in.forSlots(func(i int) {
 			if p := in.reg.Proc(i); int(p.PID.Load()) == pid && p.StartTime.Load() == info.startTime {
@@ -364,6 +367,47 @@ func (e *Enforcer) peers(pid, pidfd int) (attach.Response, []int) {
 	if own < 0 {
 		resp.Status = attach.NoInstance
 		resp.Message = fmt.Sprintf("mgpu: pid %d is not attached to an instance of device %d", pid, e.index)
+		return resp, nil, -1, false
+	}
+	return resp, in, own, true
+}
+
+// wakeSocket answers an attached process's request for its instance's wake
+// socket (wake.go).
+func (e *Enforcer) wakeSocket(pid, pidfd int) (attach.Response, []int) {
+	resp, info, ok := e.inspectCaller(pid, pidfd)
+	if !ok {
+		return resp, nil
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	resp, in, own, ok := e.attachedLocked(resp, pid, info)
+	if !ok {
+		return resp, nil
+	}
+	fd, err := e.wakeFDLocked(in)
+	if err != nil {
+		resp.Status = attach.Internal
+		resp.Message = "mgpu: the instance's wake socket: " + err.Error()
+		return resp, nil
+	}
+	resp.Slot = uint32(own)         //nolint:gosec // < MaxProcs
+	resp.InstanceID = uint32(in.id) //nolint:gosec // small
+	resp.ControlSize, resp.ProcSize = region.ControlFileSize, region.ProcFileSize
+	return resp, []int{fd}
+}
+
+// peers answers an attached process's request for the read-only proc files
+// of the other attached processes of its instance.
+func (e *Enforcer) peers(pid, pidfd int) (attach.Response, []int) {
+	resp, info, ok := e.inspectCaller(pid, pidfd)
+	if !ok {
+		return resp, nil
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	resp, in, own, ok := e.attachedLocked(resp, pid, info)
+	if !ok {
 		return resp, nil
 	}
 	var slots []int

@@ -52,6 +52,7 @@ func (s *sane) total() uint64 { return s.gpu0 + s.gpu }
 // counts are one sanitized reading of a slot.
 type counts struct {
 	gpu, launches, throttled, queued, mem uint64
+	idle                                  uint64 // when its queue last emptied, while it is empty (0: unknown)
 	waiting                               bool
 }
 
@@ -88,6 +89,9 @@ func (s *sane) read(p region.Proc, now time.Duration, maxQueued uint64) (counts,
 	c.mem = p.MemReserved.Load()
 	if c.mem > satCap {
 		c.mem, why = satCap, why|memRange
+	}
+	if c.queued == 0 {
+		c.idle = p.IdleNs.Load() // only ever compared with the tick's clock
 	}
 	w := p.Waiting.Load()
 	if w > maxWaiting {

@@ -135,6 +135,8 @@ type Enforcer struct {
 	arb        *arbiter.Arbiter
 	usage      map[int]arbiter.Usage
 	saveSeq    uint64
+	epfd       int  // the loop's epoll set of wake sockets (wake.go); -1: none
+	woken      bool // the loop's current tick was woken by a process (the loop's only)
 	closed     bool
 	restored   bool // the table was restored; only then is it written back
 
@@ -182,6 +184,7 @@ func New(cfg *config.Config, index int, opts ...Option) (*Enforcer, error) {
 		byID:     map[int]*instance{},
 		byCID:    map[string]*instance{},
 		byWD:     map[int]*instance{},
+		epfd:     newEpoll(),
 		attrs:    map[int]attribution{},
 		watches:  map[int]watchRef{},
 		usage:    map[int]arbiter.Usage{},
@@ -393,6 +396,7 @@ func (e *Enforcer) Close() {
 		e.guard(func() {
 			for _, in := range e.list {
 				in.reg.SetGrant(0)
+				in.reg.L().Wake.Store(0) // nobody is left to wake
 			}
 		})
 		e.mu.Unlock()
@@ -405,7 +409,12 @@ func (e *Enforcer) Close() {
 		e.mu.Lock()
 		for _, in := range e.list {
 			in.closeFDs()
+			e.closeWakeLocked(in)
 			_ = in.reg.Close()
+		}
+		if e.epfd >= 0 {
+			_ = unix.Close(e.epfd)
+			e.epfd = -1
 		}
 		e.dropBlankLocked()
 		e.mu.Unlock()

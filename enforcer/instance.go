@@ -63,6 +63,11 @@ type instance struct {
 	held       bool
 	heldAt     time.Duration
 	heldQueued uint64
+
+	// The instance's wake socket pair (wake.go): the enforcer's receiving
+	// end, in the loop's epoll set, and the end its processes get; -1
+	// until a process first asks for it.
+	wakeRecv, wakeSend int
 }
 
 // watchRef says what a watched pidfd stands for.
@@ -72,7 +77,7 @@ type watchRef struct {
 }
 
 func newInstance() *instance {
-	in := &instance{rootFD: -1, wd: -1}
+	in := &instance{rootFD: -1, wd: -1, wakeRecv: -1, wakeSend: -1}
 	for i := range in.slotFD {
 		in.slotFD[i] = -1
 	}
@@ -512,6 +517,7 @@ func (e *Enforcer) releaseLocked(in *instance, why string) {
 		}
 	}
 	in.closeFDs()
+	e.closeWakeLocked(in)
 	e.unwatchRegionLocked(in)
 	e.guard(func() { in.reg.SetGrant(0) })
 	_ = in.reg.Close()

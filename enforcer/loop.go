@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mgpu-dev/mgpu/enforcer/arbiter"
+	"github.com/mgpu-dev/mgpu/enforcer/region"
 )
 
 // loop is the arbitration loop: every tick it reads the instances' counters,
@@ -25,6 +26,8 @@ import (
 // every o.idleTick while processes are attached but idle, and every
 // o.dormantTick when no process is attached. Creating an instance or
 // attaching a process wakes it at once (while active: at the next tick).
+// While active, a process whose region's wake word asks for it wakes the
+// loop at once (wake.go).
 func (e *Enforcer) loop(ctx context.Context) {
 	t := time.NewTimer(0)
 	defer t.Stop()
@@ -42,14 +45,14 @@ func (e *Enforcer) loop(ctx context.Context) {
 				}
 			}
 		}
+		e.woken = false
+		last := monotonic()
 		at, active := e.tick()
 		// While active, sleep in the thread (see sleepUntil), yielding
-		// now and then.
+		// now and then; a process may wake it (waitUntil).
 		for yielded := at; active && runtime.GOMAXPROCS(0) > 1; yielded = at {
 			for active && at-yielded < yieldEvery {
-				for now := monotonic(); now < at; now = monotonic() {
-					sleepUntil(at) // again if a signal cut it short
-				}
+				e.woken = e.waitUntil(at, last)
 				select {
 				case <-done:
 					return
@@ -59,6 +62,7 @@ func (e *Enforcer) loop(ctx context.Context) {
 				case <-e.kick: // served by the tick below
 				default:
 				}
+				last = monotonic()
 				at, active = e.tick()
 			}
 			runtime.Gosched()
@@ -156,6 +160,9 @@ func (e *Enforcer) tickAt(now time.Duration) (at time.Duration, active bool) {
 }
 
 func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
+	if e.woken {
+		e.drainWakesLocked()
+	}
 	active, attached := false, false
 	// An instance may share the GPU with another one's work when some
 	// other instance holds the grant or still has work queued (a revoked
@@ -165,7 +172,7 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 	for _, in := range e.list {
 		u := arbiter.Usage{}
 		gpu, launches := in.reapedGPU, in.reapedLaunches
-		var queued uint64
+		var queued, idle uint64
 		for w, word := range in.used {
 			for word != 0 {
 				b := bits.TrailingZeros64(word)
@@ -175,6 +182,7 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 				queued = sat(queued, c.queued)
 				launches = sat(launches, c.launches)
 				u.Waiting = u.Waiting || c.waiting
+				idle = max(idle, c.idle)
 			}
 		}
 		if queued > 0 && !e.mayHaveQueued(in, now) {
@@ -183,6 +191,9 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 		u.GPUTime = clampDuration(gpu) // accepted ns since the instance began
 		u.Queued = clampDuration(queued)
 		u.Launches = launches
+		if idle <= uint64(now) { //nolint:gosec // now > 0
+			u.IdleSince = time.Duration(idle) //nolint:gosec // at most now
+		}
 		if u.Waiting || queued > 0 || gpu != in.lastGPU || launches != in.lastLaunches {
 			active = true
 		}
@@ -206,11 +217,14 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 		self := 0
 		queued := e.usage[in.id].Queued
 		if isGranted(granted, in.id) {
-			v = 1
+			v = region.GrantAll
+			if e.arb.OneAtATime(in.id) {
+				v = region.GrantOne
+			}
 			active = true
 			in.held, in.heldAt, in.heldQueued = true, now, uint64(queued) //nolint:gosec // non-negative
 		}
-		if v == 1 || queued > 0 {
+		if v != 0 || queued > 0 {
 			self = 1
 		}
 		var c uint32
@@ -227,6 +241,15 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 		if in.reg.L().Grant.Load() != v {
 			in.reg.SetGrant(v)
 		}
+		var wake uint32
+		if busy, idle := e.arb.Wake(in.id); busy {
+			wake = region.WakeBusy
+		} else if idle {
+			wake = region.WakeIdle
+		}
+		if in.reg.L().Wake.Load() != wake {
+			in.reg.L().Wake.Store(wake)
+		}
 		in.reg.L().HeartbeatNs.Store(uint64(now)) //nolint:gosec // monotonic, positive
 	}
 	switch {
@@ -242,7 +265,7 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 		if t := e.arb.NextDecision(); t-now < d { // Never-now does not overflow: now > 0
 			d = t - now
 		}
-		if e.arb.HandingOff() {
+		if e.arb.HandingOff() || e.arb.FillPending() {
 			// The next holder is granted just before the previous
 			// holder's tail is estimated to end (or, for a tail of
 			// long kernels, looked for every 250 µs): kept to within a

@@ -103,6 +103,7 @@ const (
 	DefaultMaxQueued = 1 * time.Millisecond
 	DefaultTick      = 1 * time.Millisecond
 	DefaultLead      = 100 * time.Microsecond
+	DefaultFillGrace = 50 * time.Microsecond
 )
 
 // Handoff selects what happens to the device when the grant moves from one
@@ -170,6 +171,12 @@ type Config struct {
 	// time from a grant to the new holder's first work on the device (a
 	// thread's wake-up and a launch). 0 selects DefaultLead.
 	Lead time.Duration
+	// FillGrace is how long every online instance must have been quiet
+	// (nothing queued, no thread waiting for the grant) before an offline
+	// instance fills the device beside them: a host gap inside an online
+	// request shorter than this does not let offline work in. 0 selects
+	// DefaultFillGrace.
+	FillGrace time.Duration
 }
 
 // Usage is what the enforcer reads from an instance's region at a tick.
@@ -178,6 +185,10 @@ type Usage struct {
 	Queued   time.Duration // estimated GPU time submitted but not yet known complete
 	Waiting  bool          // at least one thread is blocked waiting for a grant
 	Launches uint64        // cumulative gated launches
+	// IdleSince is when the instance's queue last became empty, as its
+	// processes report it (0: not reported). It is read only while Queued
+	// is 0 and nobody waits; a value after the Tick's time is ignored.
+	IdleSince time.Duration
 }
 
 // InstanceStats are an instance's cumulative accounting.
@@ -207,6 +218,7 @@ type instance struct {
 	waiting      bool
 	launchAt     time.Duration // estimated time of its last launch
 	launched     uint64        // launches seen at the last tick
+	quietFrom    time.Duration // since when nothing is queued and nobody waits; Never: not quiet
 	dryAt        time.Duration // when it last ran dry holding the grant while others waited
 	dried        bool          // dryAt is set
 	demand       bool
@@ -240,9 +252,15 @@ type Arbiter struct {
 	last    time.Duration
 	tickEst float64 // EWMA of the tick interval, ns
 
-	holder    int // index into inst, -1 none
+	holder    int // index into inst, -1 none; always an online instance
 	holdStart time.Duration
 	holdGrace time.Duration // previous holder's tail the holder waited behind
+
+	// The offline instance that fills the device beside the quiet online
+	// instances (see AddClass), -1 none, and since when.
+	fill      int
+	fillStart time.Duration
+	fillGrace time.Duration
 
 	tailFrom int           // index of the last revoked holder, -1 none
 	tailEnd  time.Duration // when its tail is estimated to end
@@ -264,6 +282,9 @@ func New(cfg Config) *Arbiter {
 	if cfg.Lead <= 0 {
 		cfg.Lead = DefaultLead
 	}
+	if cfg.FillGrace <= 0 {
+		cfg.FillGrace = DefaultFillGrace
+	}
 	return &Arbiter{
 		pol:     cfg.Policy,
 		fixed:   cfg.Policy == policy.FixedShare || !cfg.Policy.Valid(),
@@ -279,8 +300,10 @@ func New(cfg Config) *Arbiter {
 		index:     make(map[int]int),
 		tickEst:   float64(DefaultTick),
 		holder:    -1,
+		fill:      -1,
+		fillGrace: cfg.FillGrace,
 		tailFrom:  -1,
-		out:       make([]int, 0, 1),
+		out:       make([]int, 0, 2),
 	}
 }
 
@@ -290,11 +313,17 @@ func New(cfg Config) *Arbiter {
 // the baseline, so GPU time used before Add is not charged.
 func (a *Arbiter) Add(id int, core int) { a.AddClass(id, core, policy.Online) }
 
-// AddClass is Add with the instance's class. Offline instances are granted
-// only when no online instance can be (the online ones are arbitrated as
-// if the offline ones did not exist) and share that time among themselves
-// in proportion to their cores, whatever the policy; an online instance
-// that can be granted takes the grant from an offline holder at once.
+// AddClass is Add with the instance's class. The online instances are
+// arbitrated as if the offline ones did not exist: one of them holds the
+// grant as before, and keeps it while it is idle. An offline instance is
+// granted beside it (it "fills" the device) only while every online
+// instance is quiet, and has been for the fill grace (Config.FillGrace):
+// nothing queued, no thread waiting for the grant, or waiting but not
+// allowed to enter (a fixed-share instance at its cap). The fill is
+// revoked at the first Tick that sees an online instance queue work or
+// wait (Wake tells the enforcer which instances should wake it for that).
+// The offline instances share the filled time among themselves in
+// proportion to their cores, whatever the policy.
 func (a *Arbiter) AddClass(id int, core int, class policy.Class) {
 	core = min(max(core, 1), 100)
 	off := class == policy.Offline
@@ -306,7 +335,7 @@ func (a *Arbiter) AddClass(id int, core int, class policy.Class) {
 		return
 	}
 	a.index[id] = len(a.inst)
-	a.inst = append(a.inst, instance{id: id, core: core, weight: float64(core), offline: off, st: InstanceStats{Core: core}})
+	a.inst = append(a.inst, instance{id: id, core: core, weight: float64(core), offline: off, quietFrom: Never, st: InstanceStats{Core: core}})
 }
 
 // Remove forgets instance id; it is never granted again (unless re-added).
@@ -319,6 +348,9 @@ func (a *Arbiter) Remove(id int) {
 	if a.holder == i {
 		a.holder = -1
 	}
+	if a.fill == i {
+		a.fill = -1
+	}
 	if a.tailFrom == i {
 		a.tailFrom = -1
 	}
@@ -328,6 +360,9 @@ func (a *Arbiter) Remove(id int) {
 		a.index[a.inst[i].id] = i
 		if a.holder == last {
 			a.holder = i
+		}
+		if a.fill == last {
+			a.fill = i
 		}
 		if a.tailFrom == last {
 			a.tailFrom = i
@@ -358,7 +393,7 @@ func (a *Arbiter) Stats(id int) InstanceStats {
 	s := in.st
 	s.Credit = time.Duration(in.credit)
 	s.Demand = in.demand
-	s.Holding = a.holder == i
+	s.Holding = a.holder == i || a.fill == i
 	return s
 }
 
@@ -369,9 +404,11 @@ const kernelDecay = 7.0 / 8.0
 // tick counts as no time passing) with the usage of the instances read at
 // this tick. An instance missing from usage is treated as having no demand
 // and no new GPU time. Tick returns the ids that hold a grant until the next
-// tick: at most one. The returned slice is reused by the next Tick.
+// tick: at most one online instance and one offline instance filling the
+// device beside it. The returned slice is reused by the next Tick.
 func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 	var dt time.Duration
+	prev := a.last
 	if a.started {
 		if now > a.last {
 			dt = now - a.last
@@ -391,7 +428,7 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 	for i := range a.inst {
 		in := &a.inst[i]
 		if dt > 0 {
-			if a.holder == i {
+			if a.holder == i || a.fill == i {
 				in.st.Granted += dt
 			} else if in.demand {
 				in.st.Throttled += dt
@@ -404,6 +441,7 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 			in.earns = false
 			in.queued = 0
 			in.launched = 0
+			in.quietFrom = now
 			continue
 		}
 		var used time.Duration
@@ -443,9 +481,13 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		} else {
 			total += c
 		}
-		if a.holder == i {
-			in.demand = u.Waiting || !a.dry(in, launched, now)
-		} else {
+		in.quietFrom = quietFrom(in, u, launched, prev, now)
+		switch i {
+		case a.holder:
+			in.demand = u.Waiting || !a.dry(in, launched, now, a.holdStart, a.holdGrace)
+		case a.fill:
+			in.demand = u.Waiting || !a.dry(in, launched, now, a.fillStart, 0)
+		default:
 			in.demand = u.Waiting
 			if in.queued == 0 {
 				in.discount = 0 // everything it ran has been reported
@@ -462,8 +504,8 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 				offWd += in.weight
 			} else {
 				wd += in.weight
+				nd++ // online instances only: offline ones never take the holder's grant
 			}
-			nd++
 		}
 	}
 	if h := a.holder; h >= 0 && !a.inst[h].demand && nd > 0 {
@@ -500,16 +542,155 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		if h >= 0 {
 			a.revoke(h, now)
 		}
+		if next >= 0 && a.fill >= 0 {
+			// An online instance enters (its credit, a wake-up): the
+			// filling offline instance gives way, and the hand-off
+			// waits for its tail as for a revoked holder's, so that
+			// the two do not interleave. (An online holder that gets
+			// work keeps its grant and does not wait.)
+			a.revokeFill(now)
+		}
 		if next >= 0 && !a.grant(next, now) {
 			next = -1
 		}
 	}
 	a.holder = next
+	if f := a.chooseFill(now); f != a.fill {
+		if a.fill < 0 && f >= 0 && a.tailHolds(f, now) {
+			// A revoked online holder's tail still runs: the fill
+			// starts as a hand-off would, so that the two do not
+			// interleave (a device switches between processes at a
+			// cost).
+			f = -1
+		}
+		if a.fill < 0 && f >= 0 {
+			a.tailFrom = -1
+		}
+		a.fill, a.fillStart = f, now
+		if f >= 0 {
+			a.inst[f].st.Grants++
+		}
+	}
 	a.out = a.out[:0]
 	if next >= 0 {
 		a.out = append(a.out, a.inst[next].id)
 	}
+	if a.fill >= 0 {
+		a.out = append(a.out, a.inst[a.fill].id)
+	}
 	return a.out
+}
+
+// quietFrom is since when instance in (its usage u, launched launches since
+// the Tick at prev) has had nothing queued and no thread waiting, as the
+// Tick at now sees it: Never while it has; otherwise the time its processes
+// report (Usage.IdleSince), or the Tick that first saw it quiet. A launch
+// since the previous Tick, or work seen then, means it was busy after prev.
+func quietFrom(in *instance, u Usage, launched uint64, prev, now time.Duration) time.Duration {
+	if u.Queued > 0 || u.Waiting {
+		return Never
+	}
+	lower := time.Duration(0)
+	if launched > 0 || in.quietFrom == Never {
+		lower = prev
+	}
+	if u.IdleSince > 0 && u.IdleSince <= now {
+		return max(u.IdleSince, lower)
+	}
+	if launched > 0 || in.quietFrom == Never {
+		return now
+	}
+	return in.quietFrom
+}
+
+// fillAt is the time from which an offline instance may fill the device:
+// the fill grace after the online holder became quiet (the Tick's time if
+// none holds); Never while the holder is busy or another online instance
+// may enter. An online instance that waits but may not enter (held back by
+// its policy) does not keep the offline ones out, nor does the tail of a
+// revoked one.
+func (a *Arbiter) fillAt() time.Duration {
+	at := a.last
+	for i := range a.inst {
+		in := &a.inst[i]
+		switch {
+		case in.offline:
+		case i == a.holder:
+			if in.quietFrom == Never {
+				return Never
+			}
+			at = max(at, in.quietFrom+a.fillGrace)
+		case a.canEnter(i):
+			return Never
+		}
+	}
+	return at
+}
+
+// chooseFill decides which offline instance fills the device after this
+// Tick: none unless the online instances have been quiet for the fill
+// grace; else the filling one keeps it while it has demand, unless another
+// leads it by the hysteresis, or at all once it has filled for a Quantum;
+// the highest credit wins.
+func (a *Arbiter) chooseFill(now time.Duration) int {
+	if at := a.fillAt(); at == Never || at > now {
+		return -1
+	}
+	f, best := a.fill, -1
+	for i := range a.inst {
+		if in := &a.inst[i]; i != f && in.offline && in.demand && (best < 0 || in.credit > a.inst[best].credit) {
+			best = i
+		}
+	}
+	if f < 0 || (!a.inst[f].demand && best >= 0) {
+		return best
+	}
+	if best >= 0 {
+		hc, bc := a.inst[f].credit, a.inst[best].credit
+		if bc > hc+a.hysteresis(&a.inst[f], &a.inst[best]) || (now-a.fillStart >= a.quantum && bc > hc) {
+			return best
+		}
+	}
+	return f
+}
+
+// Wake says when the enforcer wants to hear from instance id's processes
+// at once rather than at its next Tick (the shim wakes it, mgpu_region.h):
+// busy, when one queues work or starts waiting for the grant (an offline
+// instance fills the device beside it, and must stop); idle, when its queue
+// empties (an offline instance waits for the online ones to be quiet, and
+// this one is not).
+func (a *Arbiter) Wake(id int) (busy, idle bool) {
+	i, ok := a.index[id]
+	if !ok || a.inst[i].offline {
+		return false, false
+	}
+	if a.fill >= 0 {
+		return true, false
+	}
+	return false, a.inst[i].quietFrom == Never && a.offlineWaits()
+}
+
+// OneAtATime reports whether instance id holds its grant only to keep one
+// kernel in flight: it is the offline instance filling the device beside
+// an online holder, which may get work at any moment and then finds that
+// one kernel ahead of its own (mgpu_region.h, MGPU_GRANT_ONE). An offline
+// instance filling while no online instance holds (they are held back by
+// their policy; their return is foreseen and handed off as a hold is)
+// keeps its queue bound.
+func (a *Arbiter) OneAtATime(id int) bool {
+	i, ok := a.index[id]
+	return ok && i == a.fill && a.holder >= 0
+}
+
+// offlineWaits reports whether an offline instance waits to fill.
+func (a *Arbiter) offlineWaits() bool {
+	for i := range a.inst {
+		if in := &a.inst[i]; in.offline && in.demand {
+			return true
+		}
+	}
+	return false
 }
 
 // shareCharged is the burst policies' earning, and every policy's for the
@@ -550,51 +731,33 @@ func (a *Arbiter) shareCharged(offline bool, total, wd float64) {
 	}
 }
 
-// choose decides who holds the grant after this tick. Among the online
-// instances: the holder keeps it unless a candidate leads it by the
-// hysteresis, or at all once it has held a Quantum; the highest credit
-// wins. The offline instances are arbitrated the same way among
-// themselves, only when no online instance holds or can enter; an online
-// candidate takes the grant from an offline holder at once.
+// choose decides which online instance holds the grant after this tick
+// (the offline ones are left to chooseFill): the holder keeps it unless a
+// candidate leads it by the hysteresis, or at all once it has held a
+// Quantum; the highest credit wins.
 func (a *Arbiter) choose(now time.Duration) int {
 	h := a.holder
-	bestOn, bestOff := -1, -1
+	best := -1
 	for i := range a.inst {
-		if i == h || !a.canEnter(i) {
+		if i == h || a.inst[i].offline || !a.canEnter(i) {
 			continue
 		}
-		b := &bestOn
-		if a.inst[i].offline {
-			b = &bestOff
-		}
-		if *b < 0 || a.inst[i].credit > a.inst[*b].credit {
-			*b = i
+		if best < 0 || a.inst[i].credit > a.inst[best].credit {
+			best = i
 		}
 	}
-	pick := func(h, best int, contested bool) int {
-		next := best
-		if h >= 0 && a.canHold(h, contested) {
-			next = h
-			if best >= 0 {
-				hc, bc := a.inst[h].credit, a.inst[best].credit
-				hy := a.hysteresis(&a.inst[h], &a.inst[best])
-				if bc > hc+hy || (now-a.holdStart >= a.quantum && bc > hc) {
-					next = best
-				}
+	next := best
+	if h >= 0 && a.canHold(h, best >= 0) {
+		next = h
+		if best >= 0 {
+			hc, bc := a.inst[h].credit, a.inst[best].credit
+			hy := a.hysteresis(&a.inst[h], &a.inst[best])
+			if bc > hc+hy || (now-a.holdStart >= a.quantum && bc > hc) {
+				next = best
 			}
 		}
-		return next
 	}
-	if h < 0 || !a.inst[h].offline {
-		if next := pick(h, bestOn, bestOn >= 0 || bestOff >= 0); next >= 0 {
-			return next
-		}
-		return bestOff
-	}
-	if bestOn >= 0 {
-		return bestOn // online work preempts offline at once
-	}
-	return pick(h, bestOff, bestOff >= 0)
+	return next
 }
 
 // shedAtCaps: under fixed-share, while the instances with demand subscribe
@@ -687,11 +850,11 @@ func (a *Arbiter) kernel(in *instance) float64 {
 // launch for 1.25 times the longest of its kernel, the bound and what it
 // reports queued, plus a tick, means it has run out of
 // work (or is busy on the CPU); what it queued runs anyway.
-func (a *Arbiter) dry(in *instance, launched uint64, now time.Duration) bool {
+func (a *Arbiter) dry(in *instance, launched uint64, now, start, grace time.Duration) bool {
 	if launched > 0 {
 		return false
 	}
-	if in.queued == 0 && now > a.holdStart {
+	if in.queued == 0 && now > start {
 		return true
 	}
 	// A holder that waits on its own queue (the shim's bound, the
@@ -705,7 +868,7 @@ func (a *Arbiter) dry(in *instance, launched uint64, now time.Duration) bool {
 	// taken back at a revoke makes short (a 70 of 8 ms kernels was called
 	// dry before every second kernel, from an estimate of 3.5 ms, and got
 	// 65 % beside a 30 of 100 µs kernels).
-	last := max(in.launchAt, a.holdStart+a.holdGrace)
+	last := max(in.launchAt, start+grace)
 	return float64(now-last) > 1.25*max(a.kernel(in), a.maxQueued, float64(in.queued))+a.tickEst
 }
 
@@ -733,31 +896,24 @@ func (a *Arbiter) revoke(i int, now time.Duration) {
 	a.tailEnd = now + time.Duration(a.tail(i, now))
 }
 
+// revokeFill ends the fill at now: the next holder's hand-off waits for the
+// longer of the filling instance's tail and a revoked holder's.
+func (a *Arbiter) revokeFill(now time.Duration) {
+	if end := now + time.Duration(a.tail(a.fill, now)); a.tailFrom < 0 || end > a.tailEnd {
+		a.tailFrom, a.tailEnd = a.fill, end
+	}
+	a.fill = -1
+}
+
 // grant makes i the holder at now; it reports false when the hand-off mode
 // says to wait for the previous holder's tail.
 func (a *Arbiter) grant(i int, now time.Duration) bool {
-	if a.tailFrom >= 0 && a.tailFrom != i {
-		rem := float64(a.tailEnd - now)
-		mode := a.handoff
-		if mode == HandoffAdaptive {
-			mode = HandoffOverlap
-			if a.longKernels(a.tailFrom) {
-				mode = HandoffDrain
-			}
-		}
-		switch mode {
-		case HandoffDrain:
-			if rem > a.tickEst/2 && a.inst[a.tailFrom].queued > 0 {
-				return false
-			}
-		case HandoffTimed:
-			if rem > a.leadOf(a.tailFrom) && a.inst[a.tailFrom].queued > 0 {
-				return false
-			}
-		case HandoffOverlap:
-			if rem > 0 {
-				a.inst[i].discount += rem
-			}
+	if a.tailHolds(i, now) {
+		return false
+	}
+	if a.tailFrom >= 0 && a.tailFrom != i && a.mode() == HandoffOverlap {
+		if rem := float64(a.tailEnd - now); rem > 0 {
+			a.inst[i].discount += rem
 		}
 	}
 	a.holdGrace = 0
@@ -768,6 +924,51 @@ func (a *Arbiter) grant(i int, now time.Duration) bool {
 	a.holdStart = now
 	a.inst[i].st.Grants++
 	return true
+}
+
+// mode is the hand-off mode for the last revoked holder's tail.
+func (a *Arbiter) mode() Handoff {
+	if a.handoff != HandoffAdaptive {
+		return a.handoff
+	}
+	if a.longKernels(a.tailFrom) {
+		return HandoffDrain
+	}
+	return HandoffOverlap
+}
+
+// tailHolds reports whether granting i at now waits for the last revoked
+// holder's tail (the hand-off mode says so).
+func (a *Arbiter) tailHolds(i int, now time.Duration) bool {
+	if a.tailFrom < 0 || a.tailFrom == i || a.inst[a.tailFrom].queued <= 0 {
+		return false
+	}
+	rem := float64(a.tailEnd - now)
+	switch a.mode() {
+	case HandoffDrain:
+		return rem > a.tickEst/2
+	case HandoffTimed:
+		return rem > a.leadOf(a.tailFrom)
+	}
+	return false
+}
+
+// tailNext is how long (ns after the last Tick) until a hand-off waiting
+// for the last revoked holder's tail may go: at any Tick (the tail ends
+// when its queue is reported empty), a timed hand-off at the latest its
+// lead before the estimated end.
+func (a *Arbiter) tailNext() float64 {
+	t := 0.0
+	if a.handoff == HandoffTimed {
+		t = max(0, float64(a.tailEnd-a.last)-a.leadOf(a.tailFrom))
+		if a.longKernels(a.tailFrom) {
+			// The remaining part of one long kernel is only as well
+			// known as the time of its launch, which a tick brackets:
+			// look for its report of the end as well.
+			t = min(t, float64(longTailPoll))
+		}
+	}
+	return t
 }
 
 // longKernels reports whether instance i's kernels are longer than half the
@@ -797,11 +998,18 @@ func (a *Arbiter) HandingOff() bool {
 	return a.handoff == HandoffTimed && a.holder < 0 && a.tailFrom >= 0 && a.waitsForTail()
 }
 
+// FillPending reports whether an offline instance waits for the fill grace
+// of the quiet online instances to end: NextDecision is then the time to
+// let it in, which a caller should keep to (like a timed hand-off).
+func (a *Arbiter) FillPending() bool {
+	return a.fill < 0 && a.offlineWaits() && a.fillAt() != Never
+}
+
 // waitsForTail reports whether an instance other than the last revoked
 // holder could be granted now (and so waits for that holder's tail).
 func (a *Arbiter) waitsForTail() bool {
 	for i := range a.inst {
-		if i != a.tailFrom && a.canEnter(i) {
+		if i != a.tailFrom && !a.inst[i].offline && a.canEnter(i) {
 			return true
 		}
 	}
@@ -850,52 +1058,29 @@ func (a *Arbiter) NextDecision() time.Duration {
 	if !a.started {
 		return Never
 	}
+	return a.after(min(a.onlineNext(), a.fillNext()))
+}
+
+// onlineNext is NextDecision among the online instances: ns after the last
+// Tick, +Inf for none.
+func (a *Arbiter) onlineNext() float64 {
 	t := math.Inf(1) // ns after a.last
 	h := a.holder
 	if h < 0 {
 		for i := range a.inst {
-			if in := &a.inst[i]; in.demand {
+			if in := &a.inst[i]; in.demand && !in.offline {
 				t = min(t, a.enterAfter(in))
 			}
 		}
 		// Somebody could enter but the hand-off waits for a tail to drain:
 		// it ends when the queue is reported empty, or is estimated done
-		// (the estimate is only as good as the last launch's time): at
-		// any Tick; a timed hand-off at the latest its lead before the
-		// estimated end.
+		// (the estimate is only as good as the last launch's time).
 		if a.tailFrom >= 0 && a.waitsForTail() {
-			t = 0
-			if a.handoff == HandoffTimed {
-				t = max(0, float64(a.tailEnd-a.last)-a.leadOf(a.tailFrom))
-				if a.longKernels(a.tailFrom) {
-					// The remaining part of one long kernel is only as
-					// well known as the time of its launch, which a tick
-					// brackets: look for its report of the end as well.
-					t = min(t, float64(longTailPoll))
-				}
-			}
+			t = a.tailNext()
 		}
-		return a.after(t)
+		return t
 	}
 	hi := &a.inst[h]
-	if hi.offline {
-		// An offline holder: an online waiter takes the grant once it
-		// may enter; another offline one at the latest once the holder
-		// has held a Quantum; anyone once it runs dry.
-		quantumAt := max(0, float64(a.holdStart+a.quantum-a.last))
-		for i := range a.inst {
-			in := &a.inst[i]
-			if i == h || !in.demand {
-				continue
-			}
-			if in.offline {
-				t = min(t, quantumAt, a.dryAfter(h))
-			} else {
-				t = min(t, a.enterAfter(in))
-			}
-		}
-		return a.after(min(t, a.period))
-	}
 	o := outlook{fixed: a.fixed, disc: max(0, hi.discount), hc: hi.credit, hcap: math.Inf(1), freeze: math.Inf(1)}
 	if a.fixed {
 		o.he, o.hcap, o.freeze = hi.weight/100, a.cap(hi), a.freezeAfter(h)
@@ -913,11 +1098,7 @@ func (a *Arbiter) NextDecision() time.Duration {
 	enter := math.Inf(1) // the earliest a candidate may enter
 	for i := range a.inst {
 		in := &a.inst[i]
-		if i == h || !in.demand {
-			continue
-		}
-		if in.offline { // enters only when the holder cannot hold (runs dry)
-			enter = min(enter, a.enterAfter(in))
+		if i == h || !in.demand || in.offline {
 			continue
 		}
 		te, ceil := a.enterAfter(in), math.Inf(1)
@@ -948,7 +1129,60 @@ func (a *Arbiter) NextDecision() time.Duration {
 	if !math.IsInf(t, 1) {
 		t = min(t, a.period)
 	}
-	return a.after(t)
+	return t
+}
+
+// fillNext is NextDecision for the offline instances: ns after the last
+// Tick, +Inf for none. While one fills the device: another offline one
+// takes over once it leads by the hysteresis (or the filling one has filled
+// for a Quantum), or the filling one runs dry; an online instance that may
+// enter is foreseen by onlineNext, one that queues work is not (Wake). While
+// one waits: the end of the fill grace of the quiet online instances.
+func (a *Arbiter) fillNext() float64 {
+	f := a.fill
+	t := math.Inf(1)
+	if f < 0 {
+		if !a.offlineWaits() {
+			return t
+		}
+		if at := a.fillAt(); at != Never {
+			t = max(0, float64(at-a.last))
+			if a.tailFrom >= 0 {
+				t = max(t, a.tailNext())
+			}
+		}
+		return t
+	}
+	fi := &a.inst[f]
+	quantumAt := max(0, float64(a.fillStart+a.quantum-a.last))
+	for i := range a.inst {
+		in := &a.inst[i]
+		if i == f || !in.demand || !in.offline {
+			continue
+		}
+		// Credits move only by what is charged: a Tick a Quantum in (or
+		// once the filling one runs dry) re-decides.
+		t = min(t, quantumAt, a.fillDryAfter())
+		if in.credit > fi.credit+a.hysteresis(fi, in) {
+			t = 0
+		}
+	}
+	return min(t, a.period)
+}
+
+// fillDryAfter is how long (ns after the last Tick) until the filling
+// offline instance may be called dry (see dry).
+func (a *Arbiter) fillDryAfter() float64 {
+	fi := &a.inst[a.fill]
+	if !fi.demand {
+		return 0
+	}
+	if fi.launched > 0 {
+		return math.Inf(1)
+	}
+	last := max(fi.launchAt, a.fillStart)
+	d := 1.25*max(a.kernel(fi), a.maxQueued, float64(fi.queued)) - float64(a.last-last)
+	return min(a.tail(a.fill, a.last), max(0, 8.0/7.0*d+a.tickEst))
 }
 
 // freezeAfter is how long (ns after the last Tick) until, under

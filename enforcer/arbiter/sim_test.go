@@ -26,8 +26,14 @@ import (
 //     in the region at the process's next flush (every simFlush, with a
 //     per-instance phase), so GPUTime lags by up to simFlush and Queued
 //     (submitted minus reported) over-estimates;
+//   - a process whose work runs out synchronises once its queue drains: it
+//     then reports everything at once, and the time its queue emptied
+//     (Usage.IdleSince);
 //   - the enforcer ticks every 1 ms, or at jittered intervals, reads the
-//     regions, calls Arbiter.Tick and applies the grant at once.
+//     regions, calls Arbiter.Tick and applies the grant at once; with
+//     sim.wake, at NextDecision within bounds, and also (no sooner than
+//     the lower bound after the previous tick) when a process the arbiter
+//     asks to wake it (Arbiter.Wake) starts submitting or goes idle.
 
 const (
 	simFlush = time.Millisecond
@@ -105,6 +111,8 @@ type simInst struct {
 	launches   uint64
 	lastEnd    time.Duration
 	phase      time.Duration
+	idleSince  time.Duration   // when its queue last drained with no work left (0: never)
+	latencies  []time.Duration // arrivals: from the last arrival to the drain that served it
 
 	pending  []simReport
 	repGPU   time.Duration
@@ -138,6 +146,8 @@ type sim struct {
 	cur       simKernel
 	devEnd    time.Duration
 	nextTick  time.Duration
+	lastTick  time.Duration
+	wakes     int // ticks a process woke the enforcer for
 	usage     map[int]Usage
 	ticks     int
 	multi     int // ticks that returned more than one id
@@ -214,7 +224,16 @@ func (s *sim) run() {
 
 func (s *sim) submit(i int, now time.Duration) {
 	in := s.insts[i]
-	for in.granted && in.work.has(now) && (in.inflightNs == 0 || in.inflightNs+in.klen <= in.bound) {
+	if in.inflightNs == 0 && in.work.has(now) && (in.granted || in.idleSince > 0) {
+		if busy, _ := s.arb.Wake(in.id); busy {
+			s.wakeUp(now)
+		}
+	}
+	bound := in.bound
+	if s.arb.OneAtATime(in.id) {
+		bound = 0 // one kernel at a time (MGPU_GRANT_ONE)
+	}
+	for in.granted && in.work.has(now) && (in.inflightNs == 0 || in.inflightNs+in.klen <= bound) {
 		k := simKernel{inst: i, length: in.klen, submit: now, behind: s.workAhead(i, now) > 0}
 		if in.fresh {
 			in.fresh = false
@@ -268,6 +287,19 @@ func (s *sim) complete(now time.Duration) {
 	in.lastEnd = now
 	in.inflightNs -= k.length
 	at := in.phase + ((now-in.phase+simFlush-1)/simFlush)*simFlush
+	if in.inflightNs == 0 && !in.work.has(now) {
+		if w, ok := in.work.(*arrivals); ok {
+			in.latencies = append(in.latencies, now-w.arrived)
+		}
+		at = now // it synchronises: everything is reported
+		for j := range in.pending {
+			in.pending[j].at = now
+		}
+		in.idleSince = now
+		if _, idle := s.arb.Wake(in.id); idle {
+			s.wakeUp(now)
+		}
+	}
 	in.pending = append(in.pending, simReport{at: at, measured: m, length: k.length})
 	s.running = false
 	if len(s.fifo) > 0 {
@@ -301,13 +333,15 @@ func (s *sim) tick(now time.Duration) {
 		}
 		in.pending = in.pending[:copy(in.pending, in.pending[n:])]
 		s.usage[in.id] = Usage{
-			GPUTime:  in.repGPU,
-			Queued:   in.submitted - in.repDone,
-			Waiting:  in.work.has(now) && !in.granted,
-			Launches: in.launches,
+			GPUTime:   in.repGPU,
+			Queued:    in.submitted - in.repDone,
+			Waiting:   in.work.has(now) && !in.granted,
+			Launches:  in.launches,
+			IdleSince: in.idleSince,
 		}
 	}
 	g := s.arb.Tick(now, s.usage)
+	s.lastTick = now
 	s.ticks++
 	if len(g) > 1 {
 		s.multi++
@@ -340,6 +374,18 @@ func (s *sim) tick(now time.Duration) {
 
 // wakeBounds bound the interval between two ticks driven by NextDecision.
 type wakeBounds struct{ lo, hi time.Duration }
+
+// wakeUp is a process waking the enforcer's loop at now: it ticks at once,
+// or the lower bound after its previous tick.
+func (s *sim) wakeUp(now time.Duration) {
+	if s.wake == nil {
+		return
+	}
+	if t := max(now, s.lastTick+s.wake.lo); t < s.nextTick {
+		s.nextTick = t
+		s.wakes++
+	}
+}
 
 // share returns instance i's percentage of device time in [from, to)
 // (bin-aligned).

@@ -19,6 +19,7 @@ const (
 	MessageLen        = 224        // MGPU_ATTACH_MESSAGE_LEN
 	FDs               = 2          // MGPU_ATTACH_FDS: the control file and the own proc file
 	FlagPeers  uint32 = 1          // MGPU_ATTACH_FLAG_PEERS: ask for the other processes' proc files
+	FlagWake   uint32 = 2          // MGPU_ATTACH_FLAG_WAKE: ask for the instance's wake socket
 	maxProcs          = 128        // MGPU_REGION_MAX_PROCS
 
 	RequestSize  = 16
@@ -90,8 +91,8 @@ func DecodeRequest(b []byte) (Request, error) {
 	case r.Version != Version:
 		return r, fmt.Errorf("%w: the shim speaks attach protocol %d, this enforcer speaks %d: install the libmgpu-shim.so of the enforcer's release",
 			ErrBadRequest, r.Version, Version)
-	case r.Flags != 0 && r.Flags != FlagPeers:
-		return r, fmt.Errorf("%w: flags %#x, want 0 or %d", ErrBadRequest, r.Flags, FlagPeers)
+	case r.Flags != 0 && r.Flags != FlagPeers && r.Flags != FlagWake:
+		return r, fmt.Errorf("%w: flags %#x, want 0, %d or %d", ErrBadRequest, r.Flags, FlagPeers, FlagWake)
 	}
 	return r, nil
 }

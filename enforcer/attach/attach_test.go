@@ -21,7 +21,7 @@ func TestRequestRoundTrip(t *testing.T) {
 		{"magic", func(r *Request) { r.Magic = 1 }, RequestSize},
 		{"version 1", func(r *Request) { r.Version = 1 }, RequestSize},
 		{"version 3", func(r *Request) { r.Version = 3 }, RequestSize},
-		{"flags", func(r *Request) { r.Flags = 2 }, RequestSize},
+		{"flags", func(r *Request) { r.Flags = 3 }, RequestSize},
 		{"short", func(*Request) {}, RequestSize - 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -77,7 +77,7 @@ func FuzzDecodeRequest(f *testing.F) {
 			return
 		}
 		// reserved is not checked (the header asks only flags to be 0).
-		if r.Magic != Magic || r.Version != Version || (r.Flags != 0 && r.Flags != FlagPeers) {
+		if r.Magic != Magic || r.Version != Version || (r.Flags != 0 && r.Flags != FlagPeers && r.Flags != FlagWake) {
 			t.Fatalf("accepted %+v", r)
 		}
 		if enc := r.Marshal(); string(enc[:]) != string(b) {

@@ -91,6 +91,21 @@ func Peers(path string, timeout time.Duration) (map[int]*os.File, error) {
 	return out, nil
 }
 
+// Wake asks, as an attached process, for its instance's wake socket (the
+// sending end; mgpu_region.h, MGPU_ATTACH_FLAG_WAKE). The caller closes it.
+func Wake(path string, timeout time.Duration) (*os.File, error) {
+	req := Request{Magic: Magic, Version: Version, Flags: FlagWake}.Marshal()
+	_, fds, err := exchange(path, req[:], timeout)
+	if err != nil {
+		return nil, err
+	}
+	if len(fds) != 1 {
+		closeAll(fds)
+		return nil, fmt.Errorf("attach: wake response with %d descriptors, want 1", len(fds))
+	}
+	return os.NewFile(uintptr(fds[0]), "wake"), nil //nolint:gosec // fds are non-negative
+}
+
 func closeAll(fds []int) {
 	for _, fd := range fds {
 		_ = unix.Close(fd)

@@ -31,6 +31,7 @@ func TestWireMatchesHeader(t *testing.T) {
 		"mgpu_attach_resp_t.message":      32,
 		"mgpu_attach_resp_t.peers":        32,
 		"MGPU_ATTACH_FLAG_PEERS":          uint64(FlagPeers),
+		"MGPU_ATTACH_FLAG_WAKE":           uint64(FlagWake),
 		"MGPU_ATTACH_MAGIC":               uint64(Magic),
 		"MGPU_ATTACH_VERSION":             uint64(Version),
 		"MGPU_ATTACH_FDS":                 FDs,

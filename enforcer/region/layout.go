@@ -31,6 +31,18 @@ const (
 	PolicyNativeBurstShare     uint32 = 2
 )
 
+// Grant values (MGPU_GRANT_*) of Layout.Grant other than 0 (wait).
+const (
+	GrantAll uint32 = 1 // granted
+	GrantOne uint32 = 2 // granted, at most one launch outstanding per stream
+)
+
+// Wake bits (MGPU_WAKE_*) of Layout.Wake.
+const (
+	WakeBusy uint32 = 1
+	WakeIdle uint32 = 2
+)
+
 // Slot mirrors mgpu_slot_t: the owner of a process slot, in the control
 // file, written by the enforcer only.
 type Slot struct {
@@ -49,7 +61,8 @@ type Counters struct {
 	QueuedNs    atomic.Uint64 // submitted GPU time not yet known complete
 	Launches    atomic.Uint64 // cumulative gated launches
 	ThrottledNs atomic.Uint64 // cumulative time threads waited for a grant
-	Reserved    [2]uint64
+	IdleNs      atomic.Uint64 // CLOCK_MONOTONIC when QueuedNs last fell to 0 (0: never)
+	Reserved    [1]uint64
 }
 
 // Layout mirrors mgpu_control_t, the control file.
@@ -75,9 +88,11 @@ type Layout struct {
 	// Contended is 1 while another instance of the device may have work on
 	// the GPU (it holds the grant or has not reported its queue drained):
 	// the shim then charges batches by its clean per-launch estimate.
-	Contended     atomic.Uint32
-	ReservedCtl32 uint32
-	ReservedCtl   [5]uint64
+	Contended atomic.Uint32
+	// Wake says when the enforcer wants the processes to wake it at once
+	// (WakeBusy, WakeIdle; see mgpu_region.h).
+	Wake        atomic.Uint32
+	ReservedCtl [5]uint64
 
 	ReservedTail [16]uint64
 

@@ -31,6 +31,7 @@ func TestLayoutMatchesHeader(t *testing.T) {
 		"mgpu_proc_t.queued_ns":         uint64(unsafe.Offsetof(c.QueuedNs)),
 		"mgpu_proc_t.launches":          uint64(unsafe.Offsetof(c.Launches)),
 		"mgpu_proc_t.throttled_ns":      uint64(unsafe.Offsetof(c.ThrottledNs)),
+		"mgpu_proc_t.idle_ns":           uint64(unsafe.Offsetof(c.IdleNs)),
 		"mgpu_proc_t.reserved":          uint64(unsafe.Offsetof(c.Reserved)),
 		"mgpu_control_t.magic":          uint64(unsafe.Offsetof(l.Magic)),
 		"mgpu_control_t.version":        uint64(unsafe.Offsetof(l.Version)),
@@ -48,7 +49,7 @@ func TestLayoutMatchesHeader(t *testing.T) {
 		"mgpu_control_t.enforcer_epoch": uint64(unsafe.Offsetof(l.EnforcerEpoch)),
 		"mgpu_control_t.heartbeat_ns":   uint64(unsafe.Offsetof(l.HeartbeatNs)),
 		"mgpu_control_t.contended":      uint64(unsafe.Offsetof(l.Contended)),
-		"mgpu_control_t.reserved_ctl32": uint64(unsafe.Offsetof(l.ReservedCtl32)),
+		"mgpu_control_t.wake":           uint64(unsafe.Offsetof(l.Wake)),
 		"mgpu_control_t.reserved_ctl":   uint64(unsafe.Offsetof(l.ReservedCtl)),
 		"mgpu_control_t.reserved_tail":  uint64(unsafe.Offsetof(l.ReservedTail)),
 		"mgpu_control_t.slots":          uint64(unsafe.Offsetof(l.Slots)),
@@ -62,6 +63,10 @@ func TestLayoutMatchesHeader(t *testing.T) {
 		"MGPU_POLICY_FIXED_SHARE":            uint64(PolicyFixedShare),
 		"MGPU_POLICY_GUARANTEED_BURST_SHARE": uint64(PolicyGuaranteedBurstShare),
 		"MGPU_POLICY_NATIVE_BURST_SHARE":     uint64(PolicyNativeBurstShare),
+		"MGPU_GRANT_ALL":                     uint64(GrantAll),
+		"MGPU_GRANT_ONE":                     uint64(GrantOne),
+		"MGPU_WAKE_BUSY":                     uint64(WakeBusy),
+		"MGPU_WAKE_IDLE":                     uint64(WakeIdle),
 	}
 	cv := cheader.Values()
 	for name, goVal := range want {
@@ -77,7 +82,7 @@ func TestLayoutMatchesHeader(t *testing.T) {
 	// Every region/proc entry of the C table must be checked here.
 	for name := range cv {
 		if _, ok := want[name]; !ok && (hasPrefix(name, "mgpu_proc_t.") || hasPrefix(name, "mgpu_slot_t.") || hasPrefix(name, "mgpu_control_t.") ||
-			hasPrefix(name, "MGPU_REGION_") || hasPrefix(name, "MGPU_CONTROL_") || hasPrefix(name, "MGPU_PROC_") || hasPrefix(name, "MGPU_POLICY_")) {
+			hasPrefix(name, "MGPU_REGION_") || hasPrefix(name, "MGPU_CONTROL_") || hasPrefix(name, "MGPU_PROC_") || hasPrefix(name, "MGPU_POLICY_") || hasPrefix(name, "MGPU_WAKE_") || hasPrefix(name, "MGPU_GRANT_")) {
 			t.Errorf("%s: in the C table but not checked against Go", name)
 		}
 	}

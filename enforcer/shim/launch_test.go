@@ -184,3 +184,67 @@ func TestQueueBound(t *testing.T) {
 		t.Fatalf("workload: %v\n%s", err, se)
 	}
 }
+
+// The region's wake word: a process that is asked to wakes the enforcer
+// (a datagram on the instance's wake socket) when its queue rises from
+// empty (MGPU_WAKE_BUSY) and when it empties (MGPU_WAKE_IDLE), and stamps
+// idle_ns when it empties; asked nothing, it sends nothing. Each request
+// of the server starts on an idle device and ends with its queue empty.
+func TestWakeWord(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	s := newServer(t, e.run, 0)
+	for _, tc := range []struct {
+		name string
+		word uint32
+		per  int // wake-ups per request, at least
+	}{
+		{"nothing asked", 0, 0},
+		{"busy", region.WakeBusy, 1},
+		{"busy and idle", region.WakeBusy | region.WakeIdle, 2},
+	} {
+		s.reg.L().Wake.Store(tc.word)
+		s.wakes()
+		c, lines, se := e.bg(workload, "serve", "--kernel-us", "100", "--burst", "4", "--period-ms", "10", "--seconds", "0.3")
+		p := s.slotFor(t, c.Process.Pid)
+		m := kv(waitLine(t, lines, "requests="))
+		if err := c.Wait(); err != nil {
+			t.Fatalf("workload: %v\n%s", err, se)
+		}
+		requests, n := int(u64(t, m, "requests")), s.wakes() //nolint:gosec // a few dozen
+		t.Logf("%s: %d wake-ups for %d requests", tc.name, n, requests)
+		if n < tc.per*requests || (tc.per == 0 && n != 0) || n > 2*(tc.per+1)*requests {
+			t.Errorf("%s: %d wake-ups for %d requests, want %d per request (and not many more)", tc.name, n, requests, tc.per)
+		}
+		if p.IdleNs.Load() == 0 {
+			t.Errorf("%s: idle_ns not stamped", tc.name)
+		}
+	}
+}
+
+// Granted MGPU_GRANT_ONE, a process keeps one kernel in flight per stream
+// however deep the application queues: an online instance that wakes finds
+// one kernel ahead of its own.
+func TestGrantOne(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	s := newServer(t, e.run, 0, withMaxQueued(4e6))
+	s.setGrant(region.GrantOne)
+	c, _, se := e.bg(workload, "compute", "--kernel-us", "500", "--depth", "16", "--seconds", "0.5")
+	p := s.slotFor(t, c.Process.Pid)
+	eventually(t, "launches", func() bool { return p.Launches.Load() > 20 })
+	var maxQ uint64
+	t0 := time.Now()
+	for time.Since(t0) < 150*time.Millisecond {
+		maxQ = max(maxQ, p.QueuedNs.Load())
+		time.Sleep(100 * time.Microsecond)
+	}
+	if err := c.Wait(); err != nil {
+		t.Fatalf("workload: %v\n%s", err, se)
+	}
+	t.Logf("max queued_ns %v with 500 µs kernels", time.Duration(maxQ))
+	// One launch outstanding is one kernel's estimate; two would be 1 ms.
+	if maxQ == 0 || maxQ > 800e3 {
+		t.Fatalf("queued_ns reached %v, want one 500 µs kernel", time.Duration(maxQ))
+	}
+}

@@ -25,6 +25,7 @@ const (
 	attachMsgOff  = 32
 
 	attachFlagPeers = 1
+	attachFlagWake  = 2
 
 	attachOK         = 0
 	attachNoInstance = 1
@@ -48,6 +49,7 @@ type testServer struct {
 	mu     sync.Mutex // slot assignment
 	claims []string   // pids that attached, in order; under mu
 	wg     sync.WaitGroup
+	wake   [2]int // the wake socket pair: [0] the server's end, [1] the processes'
 }
 
 type serverOpt func(*region.Params)
@@ -88,7 +90,11 @@ func newServer(t *testing.T, dir string, index uint32, opts ...serverOpt) *testS
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &testServer{t: t, dir: dir, index: index, reg: reg, view: view, ln: ln}
+	wake, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &testServer{t: t, dir: dir, index: index, reg: reg, view: view, ln: ln, wake: [2]int{wake[0], wake[1]}}
 	s.wg.Add(1)
 	go s.serve()
 	t.Cleanup(func() {
@@ -96,6 +102,8 @@ func newServer(t *testing.T, dir string, index uint32, opts ...serverOpt) *testS
 		s.wg.Wait()
 		_ = reg.Close()
 		_ = view.Close()
+		_ = unix.Close(wake[0])
+		_ = unix.Close(wake[1])
 	})
 	return s
 }
@@ -140,8 +148,12 @@ func (s *testServer) handle(c *net.UnixConn) {
 		copy(resp[attachMsgOff:attachRespLen-1], msg)
 		_, _ = c.Write(resp)
 	}
-	if le.Uint32(req[0:]) != attachMagic || le.Uint32(req[4:]) != attachVersion || le.Uint32(req[8:]) > attachFlagPeers {
+	if le.Uint32(req[0:]) != attachMagic || le.Uint32(req[4:]) != attachVersion || le.Uint32(req[8:]) > attachFlagWake {
 		fail(attachBadRequest, "bad request")
+		return
+	}
+	if le.Uint32(req[8:]) == attachFlagWake {
+		_, _, _ = c.WriteMsgUnix(resp, unix.UnixRights(s.wake[1]), nil)
 		return
 	}
 	if le.Uint32(req[8:]) == attachFlagPeers {
@@ -285,6 +297,19 @@ func (s *testServer) used() uint64 {
 }
 
 func (s *testServer) setGrant(v uint32) { s.reg.SetGrant(v) }
+
+// wakes discards and counts the datagrams the processes sent on the wake
+// socket.
+func (s *testServer) wakes() int {
+	n := 0
+	var b [8]byte
+	for {
+		if _, _, err := unix.Recvfrom(s.wake[0], b[:], unix.MSG_DONTWAIT); err != nil {
+			return n
+		}
+		n++
+	}
+}
 
 // claimedPids lists the pids that attached, in order.
 func (s *testServer) claimedPids() []string {

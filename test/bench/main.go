@@ -11,6 +11,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/exec"
 	"regexp"
@@ -655,12 +656,15 @@ func (b *bench) hookCost() error {
 
 // priority is online/offline co-location (issue 18): an online instance
 // serving requests (a burst of 10 kernels of 200 µs every 5 ms: 40 % of
-// the device) alone, then beside a saturating offline instance (kernels of
+// the device) alone, and beside a saturating offline instance (kernels of
 // 200 µs), on a device of fixed-share with online_offline_switch = 1, under
-// each device model; the two runs are side by side in one node. It reports
-// the online request latency's p50 and p99 in both, their ratio, the
-// offline instance's part of the device time the online one leaves idle,
-// and the device's busy time.
+// each device model. The two alternate, b.rounds rounds each, in one node,
+// and every request of a side is pooled (the first of each round, a cold
+// start, left out), so that what loads the machine meanwhile weighs on
+// both alike. It reports the online request latency's p50, p90 and p99 on
+// both sides and their ratios, the offline instance's part of the device
+// time the online one leaves idle, and the device's busy time (both over
+// the rounds beside).
 func (b *bench) priority() error {
 	for _, m := range b.models {
 		name := strings.ReplaceAll(m, ":", "")
@@ -673,11 +677,12 @@ func (b *bench) priority() error {
 		if err != nil {
 			return fmt.Errorf("model %s: %w", m, err)
 		}
-		b.report("priority_online_p50_alone_"+name, res.alone[0], "ms", "")
-		b.report("priority_online_p99_alone_"+name, res.alone[1], "ms", "")
-		b.report("priority_online_p50_beside_offline_"+name, res.beside[0], "ms", "")
-		b.report("priority_online_p99_beside_offline_"+name, res.beside[1], "ms", "")
-		b.report("priority_online_p99_ratio_"+name, res.beside[1]/res.alone[1], "x", "<= 1.10")
+		for i, p := range []string{"p50", "p90", "p99"} {
+			b.report("priority_online_"+p+"_alone_"+name, res.alone[i], "ms", "")
+			b.report("priority_online_"+p+"_beside_offline_"+name, res.beside[i], "ms", "")
+		}
+		b.report("priority_online_p50_ratio_"+name, res.beside[0]/res.alone[0], "x", "")
+		b.report("priority_online_p99_ratio_"+name, res.beside[2]/res.alone[2], "x", "<= 1.10")
 		b.report("priority_offline_of_idle_"+name, res.offlineOfIdle, "%", ">= 80")
 		b.report("priority_device_busy_"+name, res.busy, "%", ">= 95")
 	}
@@ -685,77 +690,103 @@ func (b *bench) priority() error {
 }
 
 type priorityResult struct {
-	alone, beside [2]float64 // p50, p99 (ms)
+	alone, beside [3]float64 // p50, p90, p99 (ms)
 	offlineOfIdle float64    // percent of the time the online instance leaves
 	busy          float64    // percent
 }
 
-// serveLatency matches mgpu-workload serve's percentiles line.
-var serveLatency = regexp.MustCompile(`p50_us=([0-9]+) .*p99_us=([0-9]+)`)
+// serveLatency matches one request's latency in mgpu-workload serve --raw.
+var serveLatency = regexp.MustCompile(`(?m)^lat_us=([0-9]+)$`)
+
+// percentile is the p-th percentile (nearest rank) of v, sorted.
+func percentile(v []float64, p float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	k := int(math.Ceil(p / 100 * float64(len(v))))
+	return v[min(max(k, 1), len(v))-1]
+}
 
 func (b *bench) priorityCase(n *harness.Node) (priorityResult, error) {
 	var r priorityResult
 	if err := n.StartEnforcer(0); err != nil {
 		return r, err
 	}
-	secs := b.window.Seconds() + 2
-	serve := func() (*harness.Job, error) {
-		return n.Start(harness.RunSpec{Device: 0, Core: 60, MemoryMiB: 1024, Class: "online",
-			Args: []string{"serve", "--kernel-us", "200", "--burst", "10", "--period-ms", "5", "--seconds", fmt.Sprintf("%.1f", secs)}})
-	}
-	latencies := func(j *harness.Job) ([2]float64, error) {
+	rounds := max(1, b.rounds)
+	secs := max(1, 2*b.window.Seconds()/float64(rounds)) // each side serves two windows in all
+	serve := func() ([]float64, error) {
+		j, err := n.Start(harness.RunSpec{Device: 0, Core: 60, MemoryMiB: 1024, Class: "online",
+			Args: []string{"serve", "--kernel-us", "200", "--burst", "10", "--period-ms", "5", "--seconds", fmt.Sprintf("%.2f", secs), "--raw"}})
+		if err != nil {
+			return nil, err
+		}
 		select {
 		case <-j.Done():
-		case <-time.After(time.Duration(secs+20) * time.Second):
-			return [2]float64{}, errors.New("serve did not finish")
+		case <-time.After(time.Duration(secs+30) * time.Second):
+			j.Kill()
+			return nil, errors.New("serve did not finish")
 		}
-		m := serveLatency.FindStringSubmatch(j.Output())
-		if m == nil {
-			return [2]float64{}, fmt.Errorf("serve printed no percentiles: %s", j.Output())
+		lat := serveLatency.FindAllStringSubmatch(j.Output(), -1)
+		if len(lat) < 2 {
+			return nil, fmt.Errorf("serve printed no latencies: %s", j.Output())
 		}
-		p50, _ := strconv.ParseFloat(m[1], 64)
-		p99, _ := strconv.ParseFloat(m[2], 64)
-		return [2]float64{p50 / 1000, p99 / 1000}, nil
+		var out []float64
+		for _, m := range lat[1:] { // the first request is a cold start
+			us, _ := strconv.ParseFloat(m[1], 64)
+			out = append(out, us/1000)
+		}
+		return out, nil
 	}
-	alone, err := serve()
-	if err != nil {
-		return r, err
+	var alone, beside []float64
+	var on, off, busy float64
+	for range rounds {
+		l, err := serve()
+		if err != nil {
+			return r, err
+		}
+		alone = append(alone, l...)
+
+		offJob, err := n.Start(harness.RunSpec{Device: 0, Core: 100, MemoryMiB: 1024, Class: "offline",
+			Args: []string{"compute", "--api", "launch", "--kernel-us", "200", "--depth", "16", "--seconds", fmt.Sprintf("%.1f", secs+30)}})
+		if err != nil {
+			return r, err
+		}
+		if err := waitStarted([]*harness.Job{offJob}); err != nil {
+			offJob.Kill()
+			return r, err
+		}
+		a, err := n.Sample()
+		if err != nil {
+			offJob.Kill()
+			return r, err
+		}
+		l, err = serve()
+		z, serr := n.Sample()
+		offJob.Kill()
+		if err != nil {
+			return r, err
+		}
+		if serr != nil {
+			return r, serr
+		}
+		beside = append(beside, l...)
+		// The serve process has exited by z: the online share is what
+		// the device ran for anyone but the offline instance.
+		all := harness.Share(a, z, 0, nil)
+		o := harness.Share(a, z, 0, offJob.Pids())
+		on += all - o
+		off += o
+		busy += all
 	}
-	if r.alone, err = latencies(alone); err != nil {
-		return r, err
+	sort.Float64s(alone)
+	sort.Float64s(beside)
+	for i, p := range []float64{50, 90, 99} {
+		r.alone[i], r.beside[i] = percentile(alone, p), percentile(beside, p)
 	}
-	off, err := n.Start(harness.RunSpec{Device: 0, Core: 100, MemoryMiB: 1024, Class: "offline",
-		Args: []string{"compute", "--api", "launch", "--kernel-us", "200", "--depth", "16", "--seconds", fmt.Sprintf("%.1f", secs+10)}})
-	if err != nil {
-		return r, err
-	}
-	if err := waitStarted([]*harness.Job{off}); err != nil {
-		return r, err
-	}
-	on, err := serve()
-	if err != nil {
-		return r, err
-	}
-	if err := waitStarted([]*harness.Job{on}); err != nil {
-		return r, err
-	}
-	time.Sleep(time.Second) // settle; the window below is the measurement
-	a, err := n.Sample()
-	if err != nil {
-		return r, err
-	}
-	time.Sleep(b.window)
-	z, err := n.Sample()
-	if err != nil {
-		return r, err
-	}
-	onShare, offShare := harness.Share(a, z, 0, on.Pids()), harness.Share(a, z, 0, off.Pids())
-	r.busy = harness.Share(a, z, 0, nil)
-	if onShare < 100 {
-		r.offlineOfIdle = 100 * offShare / (100 - onShare)
-	}
-	if r.beside, err = latencies(on); err != nil {
-		return r, err
+	k := float64(rounds)
+	on, off, r.busy = on/k, off/k, busy/k
+	if on < 100 {
+		r.offlineOfIdle = 100 * off / (100 - on)
 	}
 	return r, nil
 }

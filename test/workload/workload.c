@@ -83,6 +83,7 @@ static struct {
     long sync_every;
     long host_us;
     int null_stream;
+    int raw;
     long graph_nodes;
     const char *graph_build;
     long n;
@@ -107,9 +108,10 @@ static void usage(FILE *f)
             "  compute --api launch|launchex|coop|graph --kernel-us U --depth D --seconds S\n"
             "          [--streams N] [--threads T] [--null-stream] [--report-ms M] [--idle-ms I]\n"
             "          [--graph-nodes G] [--graph-build capture|nodes] [--sync-every K] [--host-us H]\n"
-            "  serve --kernel-us U --burst K --period-ms T --seconds S [--depth D]\n"
+            "  serve --kernel-us U --burst K --period-ms T --seconds S [--depth D] [--raw]\n"
             "        requests arrive every T ms; each launches K kernels (at most D in flight)\n"
             "        and waits for them; prints latency percentiles from arrival to completion\n"
+            "        (--raw: then every request's latency, lat_us=N, in arrival order)\n"
             "  bench-launch [--n N]                    ns_per_launch of 0-duration kernels\n"
             "  bench-alloc [--n N] [--bytes B] [--api NAME]   ns_per_alloc of alloc+free pairs\n"
             "  fork [--kernel-us U]                    CUDA in the parent, then in a forked child\n"
@@ -772,11 +774,19 @@ static int cmd_serve(void)
         busy += (uint64_t)opt.burst * kernel_ns;
     }
     uint64_t wall = now_ns() - t0;
+    uint64_t *raw = opt.raw ? malloc(n * sizeof(uint64_t)) : NULL;
+    if (opt.raw && !raw)
+        die("out of host memory");
+    if (raw)
+        memcpy(raw, lat, n * sizeof(uint64_t));
     qsort(lat, n, sizeof(uint64_t), cmp_u64);
     printf("requests=%zu late=%zu p50_us=%" PRIu64 " p90_us=%" PRIu64 " p99_us=%" PRIu64 " max_us=%" PRIu64
            " min_us=%" PRIu64 " kernel_us=%ld burst=%ld period_ms=%g busy_ns=%" PRIu64 " wall_ns=%" PRIu64 "\n",
            n, late, pct(lat, n, 50) / 1000, pct(lat, n, 90) / 1000, pct(lat, n, 99) / 1000, lat[n - 1] / 1000,
            lat[0] / 1000, opt.kernel_us, opt.burst, opt.period_ms, busy, wall);
+    for (size_t i = 0; raw && i < n; i++)
+        printf("lat_us=%" PRIu64 "\n", raw[i] / 1000);
+    free(raw);
     for (long i = 0; i < opt.depth; i++)
         CK(cu.cuEventDestroy_v2(ev[i]));
     CK(cu.cuStreamDestroy_v2(s));
@@ -954,6 +964,8 @@ int main(int argc, char **argv)
             opt.host_us = num(a, VAL());
         } else if (strcmp(a, "--null-stream") == 0) {
             opt.null_stream = 1;
+        } else if (strcmp(a, "--raw") == 0) {
+            opt.raw = 1;
         } else if (strcmp(a, "--graph-nodes") == 0) {
             opt.graph_nodes = num(a, VAL());
         } else if (strcmp(a, "--graph-build") == 0) {

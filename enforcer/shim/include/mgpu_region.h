@@ -37,8 +37,9 @@
  *    can never exceed the limit (two racing reservations may both fail, never
  *    both pass over the limit).
  *  - grant is a futex word (shared, not private futex ops).  0 means "do not
- *    submit GPU work now"; any other value means "granted".  The enforcer
- *    wakes all waiters (FUTEX_WAKE, INT_MAX) whenever it sets a grant.
+ *    submit GPU work now"; any other value means "granted" (MGPU_GRANT_ONE
+ *    with one launch outstanding per stream at most).  The enforcer wakes
+ *    all waiters (FUTEX_WAKE, INT_MAX) whenever it sets a grant.
  */
 #ifndef MGPU_REGION_H
 #define MGPU_REGION_H
@@ -63,6 +64,14 @@
 #define MGPU_POLICY_GUARANTEED_BURST_SHARE 1u
 #define MGPU_POLICY_NATIVE_BURST_SHARE 2u
 
+/* mgpu_control_t.grant values other than 0 (wait) */
+#define MGPU_GRANT_ALL 1u /* granted */
+#define MGPU_GRANT_ONE 2u /* granted, at most one launch outstanding per stream */
+
+/* mgpu_control_t.wake bits */
+#define MGPU_WAKE_BUSY 1u
+#define MGPU_WAKE_IDLE 2u
+
 /* The owner of one process slot (in the control file).  16 bytes. */
 typedef struct mgpu_slot {
     MGPU_ATOMIC(uint32_t) pid;        /* host pid owning the slot; 0 = free */
@@ -81,7 +90,11 @@ typedef struct mgpu_proc {
     MGPU_ATOMIC(uint64_t) queued_ns;    /* estimated GPU time submitted, not yet known complete */
     MGPU_ATOMIC(uint64_t) launches;     /* cumulative gated launches */
     MGPU_ATOMIC(uint64_t) throttled_ns; /* cumulative time threads waited for a grant */
-    uint64_t reserved[2];
+    /* CLOCK_MONOTONIC when queued_ns last fell to 0 (0: never); read by the
+     * enforcer only while queued_ns is 0 (the fill grace of offline
+     * instances, see wake below) */
+    MGPU_ATOMIC(uint64_t) idle_ns;
+    uint64_t reserved[1];
 } mgpu_proc_t;
 
 /* The control file.  Header 256 bytes, then the slot owners. */
@@ -102,7 +115,11 @@ typedef struct mgpu_control {
     uint64_t reserved_hdr;
 
     /* Control: written by the enforcer. */
-    MGPU_ATOMIC(uint32_t) grant;          /* futex word: 0 = wait, otherwise granted */
+    /* futex word: 0 = wait, otherwise granted; MGPU_GRANT_ONE: keep at most
+     * one launch outstanding per stream (an offline instance filling the
+     * device beside an idle online one, which may get work at any moment:
+     * what it then finds ahead of its first kernel is one kernel) */
+    MGPU_ATOMIC(uint32_t) grant;
     MGPU_ATOMIC(uint32_t) enforcer_epoch; /* bumped by every enforcer start that adopts the region */
     MGPU_ATOMIC(uint64_t) heartbeat_ns;   /* CLOCK_MONOTONIC of the enforcer's last arbitration tick */
     /* 1 while another instance of the device may have work on the GPU (it
@@ -112,7 +129,14 @@ typedef struct mgpu_control {
      * Written before grant at every tick; 0 on a device used by one
      * instance (see enforcer/shim/README.md "Interleaved work"). */
     MGPU_ATOMIC(uint32_t) contended;
-    uint32_t reserved_ctl32;
+    /* When the enforcer wants this instance's processes to wake it at once
+     * (a write to the instance's wake socket, MGPU_ATTACH_FLAG_WAKE) rather
+     * than wait for its next tick: MGPU_WAKE_BUSY when queued_ns rises
+     * from 0 or a thread starts waiting for the grant (an offline instance
+     * fills the device beside this one, and must stop), MGPU_WAKE_IDLE
+     * when queued_ns falls to 0 (an offline instance waits for this one to
+     * be quiet).  0: no wake wanted. */
+    MGPU_ATOMIC(uint32_t) wake;
     uint64_t reserved_ctl[5];
 
     uint64_t reserved_tail[16];
@@ -141,6 +165,16 @@ typedef struct mgpu_control {
  *                            stale: the shim asks once for slots it sees
  *                            taken (control->slots[i].pid) and has not
  *                            mapped.
+ *   MGPU_ATTACH_FLAG_WAKE    the caller's instance's wake socket (the caller
+ *                            must be attached): one descriptor, the sending
+ *                            end of a SOCK_DGRAM socket pair whose other end
+ *                            only the enforcer holds.  A datagram sent on it
+ *                            (MSG_DONTWAIT | MSG_NOSIGNAL; content ignored)
+ *                            wakes the enforcer's loop, which then ticks at
+ *                            once (no sooner than a minimum interval after
+ *                            its previous tick).  An enforcer restart makes
+ *                            a new pair: the shim asks again when
+ *                            enforcer_epoch changes.
  * Otherwise no descriptor comes and message holds one NUL-terminated line
  * for the user (the shim prints it).  The server identifies the caller by
  * SO_PEERCRED, never by anything it sends.  The server closes the connection
@@ -157,6 +191,7 @@ typedef struct mgpu_control {
 #define MGPU_ATTACH_VERSION 2u
 #define MGPU_ATTACH_FDS 2u           /* descriptors of an OK attach */
 #define MGPU_ATTACH_FLAG_PEERS 1u    /* request: the other processes' proc files */
+#define MGPU_ATTACH_FLAG_WAKE 2u     /* request: the instance's wake socket */
 
 #define MGPU_ATTACH_OK 0
 #define MGPU_ATTACH_NO_INSTANCE 1 /* caller belongs to no instance of this device */
@@ -167,7 +202,7 @@ typedef struct mgpu_control {
 typedef struct mgpu_attach_req {
     uint32_t magic;   /* MGPU_ATTACH_MAGIC */
     uint32_t version; /* MGPU_ATTACH_VERSION */
-    uint32_t flags;   /* 0 (attach) or MGPU_ATTACH_FLAG_PEERS */
+    uint32_t flags;   /* 0 (attach), MGPU_ATTACH_FLAG_PEERS or MGPU_ATTACH_FLAG_WAKE */
     uint32_t reserved;
 } mgpu_attach_req_t;
 

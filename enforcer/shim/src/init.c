@@ -10,6 +10,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <link.h>
 #include <stdio.h>
@@ -20,6 +21,7 @@
 #include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "shim.h"
@@ -251,6 +253,9 @@ static void unmap_dev(struct mgpu_dev *d)
 static void reset_attachment(void)
 {
     for (int i = 0; i < g_ndevs; i++) {
+        int w = atomic_load(&g_devs[i].wake_fd1);
+        if (w > 0)
+            close(w - 1);
         unmap_dev(&g_devs[i]);
         memset(&g_devs[i], 0, sizeof g_devs[i]);
     }
@@ -399,9 +404,13 @@ out:
     return rc;
 }
 
+#define MGPU_REQUEST_TIMEOUT_MS 10000 /* attach and peers requests */
+#define MGPU_WAKE_TIMEOUT_MS 100      /* a wake socket request: the enforcer that asked for wakes is up */
+#define MGPU_WAKE_RETRY_NS 1000000000ull /* after a failed wake socket request */
+
 /* Connects to device idx's client socket and sends a request with flags.
  * Returns the socket, or -1 with err filled. */
-static int request(unsigned idx, uint32_t flags, char *path, size_t pathlen, char *err, size_t errlen)
+static int request(unsigned idx, uint32_t flags, int timeout_ms, char *path, size_t pathlen, char *err, size_t errlen)
 {
     if (sock_path(path, pathlen, idx)) {
         snprintf(path, pathlen, "%s/gpu%u/client/client.sock", run_dir(), idx);
@@ -419,7 +428,7 @@ static int request(unsigned idx, uint32_t flags, char *path, size_t pathlen, cha
         snprintf(err, errlen, "socket: %s", strerror(errno));
         return -1;
     }
-    struct timeval tv = {.tv_sec = 10};
+    struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
     setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
     int r;
@@ -469,7 +478,7 @@ static int check_resp(mgpu_attach_resp_t *resp, char *err, size_t errlen)
 static int fetch_peers(struct mgpu_dev *d, char *err, size_t errlen)
 {
     char path[PATH_MAX];
-    int s = request(d->host_index, MGPU_ATTACH_FLAG_PEERS, path, sizeof path, err, errlen);
+    int s = request(d->host_index, MGPU_ATTACH_FLAG_PEERS, MGPU_REQUEST_TIMEOUT_MS, path, sizeof path, err, errlen);
     if (s < 0)
         return -1;
     mgpu_attach_resp_t resp;
@@ -504,9 +513,84 @@ static int fetch_peers(struct mgpu_dev *d, char *err, size_t errlen)
     return r;
 }
 
+static pthread_mutex_t g_wake_mu = PTHREAD_MUTEX_INITIALIZER; /* fetching a wake socket */
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Asks the enforcer for the instance's wake socket, for epoch ep.  The
+ * descriptor number a thread may be sending on never changes once set: a
+ * new socket replaces the old one in place (dup3), so that no send can go
+ * to a descriptor the application opened meanwhile.  Returns 0 or -1. */
+static int fetch_wake(struct mgpu_dev *d, uint32_t ep)
+{
+    char path[PATH_MAX], err[256];
+    int s = request(d->host_index, MGPU_ATTACH_FLAG_WAKE, MGPU_WAKE_TIMEOUT_MS, path, sizeof path, err, sizeof err);
+    if (s < 0)
+        return -1;
+    mgpu_attach_resp_t resp;
+    memset(&resp, 0, sizeof resp);
+    int fd = -1;
+    unsigned nfds = 0;
+    int r = read_resp(s, &resp, &fd, &nfds, 1, err, sizeof err);
+    close(s);
+    if (r)
+        return -1;
+    if (check_resp(&resp, err, sizeof err) || nfds != 1) {
+        if (nfds)
+            close(fd);
+        return -1;
+    }
+    int old = atomic_load(&d->wake_fd1);
+    if (old > 0) {
+        if (dup3(fd, old - 1, O_CLOEXEC) < 0) {
+            close(fd);
+            return -1;
+        }
+        close(fd);
+    } else {
+        atomic_store(&d->wake_fd1, fd + 1);
+    }
+    atomic_store(&d->wake_epoch, ep);
+    return 0;
+}
+
+void mgpu_wake(struct mgpu_dev *d)
+{
+    uint32_t ep = atomic_load_explicit(&d->region->enforcer_epoch, memory_order_acquire);
+    int fd1 = atomic_load_explicit(&d->wake_fd1, memory_order_acquire);
+    if (fd1 <= 0 || atomic_load_explicit(&d->wake_epoch, memory_order_acquire) != ep) {
+        /* One thread fetches; the others go on without waking (the
+         * enforcer's tick comes anyway).  A failure is retried a second
+         * later at the earliest. */
+        if (mono_ns() < atomic_load(&d->wake_retry_ns) || pthread_mutex_trylock(&g_wake_mu) != 0)
+            return;
+        int saved = errno;
+        int r = 0;
+        if (atomic_load(&d->wake_epoch) != ep || atomic_load(&d->wake_fd1) <= 0)
+            r = fetch_wake(d, ep);
+        if (r)
+            atomic_store(&d->wake_retry_ns, mono_ns() + MGPU_WAKE_RETRY_NS);
+        pthread_mutex_unlock(&g_wake_mu);
+        errno = saved;
+        fd1 = atomic_load(&d->wake_fd1);
+        if (r || fd1 <= 0)
+            return;
+    }
+    int saved = errno;
+    char b = 1;
+    while (send(fd1 - 1, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno == EINTR)
+        ;
+    errno = saved;
+}
+
 static int attach_one(struct mgpu_dev *d, unsigned idx, char *path, size_t pathlen, char *err, size_t errlen)
 {
-    int s = request(idx, 0, path, pathlen, err, errlen);
+    int s = request(idx, 0, MGPU_REQUEST_TIMEOUT_MS, path, pathlen, err, errlen);
     if (s < 0)
         return -1;
     mgpu_attach_resp_t resp;

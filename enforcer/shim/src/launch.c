@@ -317,11 +317,21 @@ static void ss_reset(struct sstate *ss)
     ss->gen = mgpu_generation;
 }
 
+/* The queue bound in force: max_queued_ns, or 1 ns (one launch
+ * outstanding per stream) while the grant word says MGPU_GRANT_ONE.
+ * 0: unbounded. */
+static uint64_t qbound(const struct mgpu_dev *d)
+{
+    if (atomic_load_explicit(&d->region->grant, memory_order_relaxed) == MGPU_GRANT_ONE)
+        return 1;
+    return d->max_queued_ns;
+}
+
 static uint64_t target_mark_ns(const struct mgpu_dev *d)
 {
-    uint64_t t = MGPU_TARGET_MARK_NS;
-    if (d->max_queued_ns && d->max_queued_ns / 4 < t)
-        t = d->max_queued_ns / 4;
+    uint64_t t = MGPU_TARGET_MARK_NS, b = qbound(d);
+    if (b && b / 4 < t)
+        t = b / 4;
     return t ? t : 1;
 }
 
@@ -349,9 +359,21 @@ static void set_queued(struct sstate *ss, uint64_t pending)
         ss->est_done = ss->est_total;
     uint64_t q = ss->est_total > ss->est_done ? ss->est_total - ss->est_done : 0;
     uint64_t *tot = &g_dev_queued[ss->dev->ordinal];
+    uint64_t was = *tot;
     *tot = *tot - ss->queued_ns + q;
     ss->queued_ns = q;
-    atomic_store_explicit(&ss->dev->slot->queued_ns, *tot, memory_order_relaxed);
+    struct mgpu_dev *d = ss->dev;
+    if (was > 0 && *tot == 0) /* before queued_ns: the enforcer reads idle_ns while it is 0 */
+        atomic_store_explicit(&d->slot->idle_ns, now_ns(), memory_order_relaxed);
+    atomic_store_explicit(&d->slot->queued_ns, *tot, memory_order_release);
+    /* An offline instance may be waiting for this one to go quiet, or
+     * filling the device beside it until it gets work: the enforcer asks
+     * (region wake word) to hear of either at once. */
+    if ((was == 0) != (*tot == 0)) {
+        uint32_t w = atomic_load_explicit(&d->region->wake, memory_order_relaxed);
+        if (w & (*tot ? MGPU_WAKE_BUSY : MGPU_WAKE_IDLE))
+            mgpu_wake(d);
+    }
 }
 
 /* Feeds one per-launch sample to the estimate.  Waiting (behind another
@@ -579,11 +601,11 @@ static int record_mark(struct sstate *ss, uint64_t at, uint64_t pending)
 /* Room left under max_queued_ns for this stream (UINT64_MAX: unbounded). */
 static uint64_t room(const struct sstate *ss)
 {
-    const struct mgpu_dev *d = ss->dev;
-    if (!d->max_queued_ns)
+    uint64_t b = qbound(ss->dev);
+    if (!b)
         return UINT64_MAX;
-    uint64_t others = g_dev_queued[d->ordinal] - ss->queued_ns;
-    uint64_t r = d->max_queued_ns > others ? d->max_queued_ns - others : 0;
+    uint64_t others = g_dev_queued[ss->dev->ordinal] - ss->queued_ns;
+    uint64_t r = b > others ? b - others : 0;
     return r > ss->queued_ns ? r - ss->queued_ns : 0;
 }
 
@@ -591,7 +613,8 @@ static uint64_t room(const struct sstate *ss)
 static int may_launch(const struct sstate *ss, uint64_t n)
 {
     uint64_t out = n - 1 > ss->completed ? n - 1 - ss->completed : 0;
-    if (out == 0 || !ss->dev->max_queued_ns)
+    uint64_t b = qbound(ss->dev);
+    if (out == 0 || !b)
         return 1;
     if (!ss->cur_est)
         return out < 2; /* not measured yet: learn the kernel time first */
@@ -599,7 +622,7 @@ static int may_launch(const struct sstate *ss, uint64_t n)
      * fits the bound: a one-deep pipeline drains before every launch and
      * idles the device while the host wakes.  The tail after a revoke stays
      * within two bounds. */
-    if (out == 1 && ss->cur_est <= ss->dev->max_queued_ns)
+    if (out == 1 && ss->cur_est <= b)
         return 1;
     return ss->cur_est <= room(ss);
 }
@@ -608,13 +631,14 @@ static void set_check(struct sstate *ss, uint64_t n)
 {
     /* no open batch: the next launch starts one */
     uint64_t next = ss->marked == n || (!ss->batch_ref && !ss->ref_after) ? n + 1 : ss->marked + ss->per_mark;
-    if (ss->dev->max_queued_ns) {
+    uint64_t bound = qbound(ss->dev);
+    if (bound) {
         uint64_t b;
         if (!ss->cur_est)
             b = ss->completed + 2;
         else
             b = n + room(ss) / ss->cur_est; /* the first launch that must check again */
-        if (ss->cur_est && ss->cur_est <= ss->dev->max_queued_ns && b < ss->completed + 2)
+        if (ss->cur_est && ss->cur_est <= bound && b < ss->completed + 2)
             b = ss->completed + 2; /* see may_launch: two outstanding */
         if (b < next)
             next = b;
@@ -851,6 +875,8 @@ static __attribute__((noinline)) void wait_grant(struct mgpu_dev *d)
             flush_ss(ss);
     pthread_mutex_unlock(&mgpu_acct_mu);
     atomic_fetch_add(&d->slot->waiting, 1);
+    if (atomic_load_explicit(&d->region->wake, memory_order_relaxed) & MGPU_WAKE_BUSY)
+        mgpu_wake(d); /* an offline instance fills the device: it must stop */
     uint64_t t0 = now_ns();
     while (atomic_load(&d->region->grant) == 0) {
         struct timespec ts = {.tv_sec = 0, .tv_nsec = MGPU_WAIT_SLICE_NS};
@@ -863,6 +889,15 @@ static __attribute__((noinline)) void wait_grant(struct mgpu_dev *d)
     }
     atomic_fetch_add(&d->slot->throttled_ns, now_ns() - t0);
     atomic_fetch_sub(&d->slot->waiting, 1);
+    if (atomic_load(&d->region->grant) == MGPU_GRANT_ONE) {
+        /* One launch outstanding from now on: the next launch on every
+         * stream takes the slow path, which applies it. */
+        pthread_mutex_lock(&mgpu_acct_mu);
+        for (struct sstate *ss = g_streams; ss; ss = ss->next)
+            if (ss->dev == d)
+                atomic_store_explicit(&ss->check_at, 0, memory_order_relaxed);
+        pthread_mutex_unlock(&mgpu_acct_mu);
+    }
 }
 
 /* ---- the gate ---- */

@@ -42,6 +42,13 @@ struct mgpu_dev {
     unsigned own;                 /* the own slot */
     uint64_t limit;               /* region->memory_limit */
     uint64_t max_queued_ns;
+    /* The instance's wake socket (mgpu_region.h, MGPU_ATTACH_FLAG_WAKE):
+     * its descriptor + 1 (0: none yet), the enforcer epoch it belongs to,
+     * and the CLOCK_MONOTONIC time before which a failed fetch is not
+     * retried. */
+    _Atomic int wake_fd1;
+    _Atomic uint32_t wake_epoch;
+    _Atomic uint64_t wake_retry_ns;
 };
 
 enum mgpu_state {
@@ -65,6 +72,11 @@ struct mgpu_dev *mgpu_current_dev(CUresult *err); /* the current context's devic
  * NULL: pass through unaccounted (fail-open). */
 CUresult mgpu_resolve_dev(int ordinal, struct mgpu_dev **pd);
 uint64_t mgpu_instance_used(struct mgpu_dev *d);
+/* Wakes the enforcer's loop (the region's wake word asked for it): one
+ * datagram on the instance's wake socket, fetched on first use and again
+ * after an enforcer restart.  Never blocks for long; safe under
+ * mgpu_acct_mu. */
+void mgpu_wake(struct mgpu_dev *d);
 extern unsigned mgpu_generation; /* bumped in a forked child; guarded by mgpu_acct_mu */
 
 /* mem.c */

@@ -1,0 +1,132 @@
+package enforcer
+
+import (
+	"errors"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// The wake path (mgpu_region.h, MGPU_ATTACH_FLAG_WAKE): an online instance
+// beside an offline one must not wait for the loop's next tick, up to
+// maxActiveTick away, to have the offline instance stopped when it gets
+// work, nor to have the offline instance let in when its queue empties.
+// Its processes wake the loop instead, when the region's wake word asks
+// them to: each instance has a SOCK_DGRAM socket pair, whose receiving end
+// only the enforcer holds (in an epoll set the active loop waits on) and
+// whose sending end the instance's processes get on request. A tenant can
+// do nothing with its end but send (it may shut it down or fill it: that
+// only keeps its own wake-ups from arriving), and what it sends is never
+// read as data: a wake-up makes the loop tick at once, but no sooner than
+// minWakeTick after the previous tick, and the datagrams are discarded at
+// that tick. The loop polls the set only while it is active (an offline
+// instance has demand or fills the device); otherwise the wake words are
+// 0 and nobody sends.
+
+// errNoWake: the kernel lacks epoll_pwait2, so the loop cannot be woken.
+var errNoWake = errors.New("this kernel has no epoll_pwait2 (Linux 5.11); the enforcer is not woken by processes")
+
+// minWakeTick is the shortest interval between a tick and one a process
+// woke the loop for: a tenant that sends without pause makes the loop tick
+// at most this often.
+const minWakeTick = 50 * time.Microsecond
+
+// wakeDrainMax bounds the datagrams discarded from one instance's socket at
+// one tick (it holds a few hundred at most; the rest wait for the next).
+const wakeDrainMax = 256
+
+// newEpoll returns the loop's epoll set, or -1 where the kernel has no
+// epoll_pwait2 (Linux < 5.11): the loop then sleeps as before and
+// processes' wake-ups are not heard (they change nothing else).
+func newEpoll() int {
+	fd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return -1
+	}
+	var ts unix.Timespec
+	var ev [1]unix.EpollEvent
+	_, _, errno := unix.Syscall6(unix.SYS_EPOLL_PWAIT2, uintptr(fd), uintptr(unsafe.Pointer(&ev[0])), 1, uintptr(unsafe.Pointer(&ts)), 0, 0) //nolint:gosec // the system call writes ev and reads ts
+	if errno == unix.ENOSYS {
+		_ = unix.Close(fd)
+		return -1
+	}
+	return fd
+}
+
+// wakeFDLocked returns a duplicate of instance in's sending end (the caller
+// closes it), making the pair on first use.
+func (e *Enforcer) wakeFDLocked(in *instance) (int, error) {
+	if e.epfd < 0 {
+		return -1, errNoWake
+	}
+	if in.wakeSend < 0 {
+		p, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return -1, err
+		}
+		ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(p[0])} //nolint:gosec // fds fit in int32
+		if err := unix.EpollCtl(e.epfd, unix.EPOLL_CTL_ADD, p[0], &ev); err != nil {
+			_ = unix.Close(p[0])
+			_ = unix.Close(p[1])
+			return -1, err
+		}
+		// The tenants' end only sends: a tenant cannot read what the
+		// others send, there being nobody else on it but the enforcer.
+		_ = unix.Shutdown(p[1], unix.SHUT_RD)
+		in.wakeRecv, in.wakeSend = p[0], p[1]
+	}
+	return unix.FcntlInt(uintptr(in.wakeSend), unix.F_DUPFD_CLOEXEC, 0) //nolint:gosec // a valid fd
+}
+
+// closeWakeLocked closes instance in's pair (leaving the epoll set first,
+// so that the loop never polls a reused descriptor number).
+func (e *Enforcer) closeWakeLocked(in *instance) {
+	if in.wakeRecv >= 0 {
+		_ = unix.EpollCtl(e.epfd, unix.EPOLL_CTL_DEL, in.wakeRecv, nil)
+		_ = unix.Close(in.wakeRecv)
+		in.wakeRecv = -1
+	}
+	if in.wakeSend >= 0 {
+		_ = unix.Close(in.wakeSend)
+		in.wakeSend = -1
+	}
+}
+
+// drainWakesLocked discards what the instances' processes sent.
+func (e *Enforcer) drainWakesLocked() {
+	var b [8]byte
+	for _, in := range e.list {
+		if in.wakeRecv < 0 {
+			continue
+		}
+		for range wakeDrainMax {
+			if _, _, err := unix.Recvfrom(in.wakeRecv, b[:], unix.MSG_DONTWAIT); err != nil {
+				break
+			}
+		}
+	}
+}
+
+// waitUntil blocks the calling thread until CLOCK_MONOTONIC reaches at (see
+// sleepUntil), or until a process wakes the loop: it then sleeps on until
+// minWakeTick after last (the previous tick), if that is sooner than at,
+// and returns whether it was woken.
+func (e *Enforcer) waitUntil(at, last time.Duration) bool {
+	woken := false
+	var evs [1]unix.EpollEvent
+	for now := monotonic(); now < at; now = monotonic() {
+		if woken || e.epfd < 0 {
+			sleepUntil(at)
+			continue
+		}
+		ts := unix.NsecToTimespec(int64(at - now))
+		n, _, _ := unix.RawSyscall6(unix.SYS_EPOLL_PWAIT2, uintptr(e.epfd), uintptr(unsafe.Pointer(&evs[0])), 1, uintptr(unsafe.Pointer(&ts)), 0, 0) //nolint:gosec // the system call writes evs and reads ts; both outlive it
+		// n is an event count, or -errno as a uintptr (negative as an int).
+		if int(n) > 0 { //nolint:gosec // see above
+			woken = true
+			at = min(at, max(now, last+minWakeTick))
+		}
+	}
+	return woken
+}

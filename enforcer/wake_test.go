@@ -1,0 +1,163 @@
+package enforcer
+
+import (
+	"errors"
+	"os"
+	"runtime"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/enforcer/arbiter"
+	"github.com/mgpu-dev/mgpu/enforcer/attach"
+	"github.com/mgpu-dev/mgpu/enforcer/region"
+)
+
+// An attached process gets its instance's wake socket; what it sends on it
+// wakes the loop's wait; the socket goes with the instance; a process that
+// is not attached is refused one.
+func TestWakeSocket(t *testing.T) {
+	env := newEnv(t, nil)
+	e, _ := env.start(t)
+	if e.epfd < 0 {
+		t.Skip("this kernel has no epoll_pwait2")
+	}
+	c := env.client()
+	sock := api.ClientSocket(env.runDir())
+	if _, err := attach.Wake(sock, 5*time.Second); err == nil {
+		t.Fatal("a process of no instance got a wake socket")
+	}
+	out, err := c.Create(ctx, tree(os.Getpid(), 50, 100))
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := attach.Dial(sock, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mapAttach(t, res)
+	w, err := attach.Wake(sock, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = w.Close() }()
+	w2, err := attach.Wake(sock, 5*time.Second) // the same pair again
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = w2.Close()
+
+	// Nothing is active (no offline instance), so the loop sleeps on its
+	// timer: this wait is the only one on the epoll set.
+	wait := func(d time.Duration) (bool, time.Duration) {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		t0 := monotonic()
+		woken := e.waitUntil(t0+d, t0)
+		return woken, monotonic() - t0
+	}
+	if woken, took := wait(20 * time.Millisecond); woken || took < 20*time.Millisecond {
+		t.Fatalf("nothing sent: woken %v after %v, want a 20ms sleep", woken, took)
+	}
+	if _, err := unix.SendmsgN(int(w.Fd()), []byte{1}, nil, nil, unix.MSG_DONTWAIT); err != nil {
+		t.Fatal(err)
+	}
+	if woken, took := wait(10 * time.Second); !woken || took > 5*time.Second {
+		t.Fatalf("a datagram sent: woken %v after %v", woken, took)
+	}
+	e.mu.Lock()
+	e.drainWakesLocked()
+	e.mu.Unlock()
+	if woken, _ := wait(5 * time.Millisecond); woken {
+		t.Fatal("woken again after the datagram was discarded")
+	}
+
+	if _, err := c.Destroy(ctx, out.Instance.Name); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := unix.SendmsgN(int(w.Fd()), []byte{1}, nil, nil, unix.MSG_DONTWAIT); !errors.Is(err, unix.ECONNREFUSED) {
+		t.Fatalf("sent on a released instance's wake socket: %v, want ECONNREFUSED", err)
+	}
+}
+
+// The tick writes what the processes act on: an offline instance fills
+// the device one kernel at a time (MGPU_GRANT_ONE) once the online holder
+// has been quiet for the fill grace, the online one is then asked to wake
+// the loop when it gets work, and is asked to report going idle while the
+// offline one waits.
+func TestFillWords(t *testing.T) {
+	// guaranteed-burst-share: the online instance enters as soon as it
+	// waits (under fixed-share it first banks its entry credit, and the
+	// offline one fills meanwhile).
+	burst, switchOn := withPolicy("guaranteed-burst-share"), withOnlineOffline("1")
+	env := newEnv(t, func(s string) string { return switchOn(burst(s)) })
+	e, err := New(env.cfg, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	if _, err := e.Create(classTree(os.Getpid(), 50, 100, "online")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Create(classTree(os.Getppid(), 100, 100, "offline")); err != nil {
+		t.Fatal(err)
+	}
+	e.mu.Lock()
+	on, off := e.list[0], e.list[1]
+	po, pf := on.reg.Proc(0), off.reg.Proc(0)
+	po.Claim(uint32(os.Getpid()), 1)  //nolint:gosec // a pid
+	pf.Claim(uint32(os.Getppid()), 1) //nolint:gosec // a pid
+	on.setUsed(0)
+	off.setUsed(0)
+	lo, lf := on.reg.L(), off.reg.L()
+	e.mu.Unlock()
+
+	now := time.Second
+	tick := func(what string) time.Duration {
+		t.Helper()
+		at, active := e.tickAt(now)
+		if !active {
+			t.Fatalf("%s: not active", what)
+		}
+		return at
+	}
+	check := func(what string, onGrant, offGrant, onWake uint32) {
+		t.Helper()
+		if g, f, w := lo.Grant.Load(), lf.Grant.Load(), lo.Wake.Load(); g != onGrant || f != offGrant || w != onWake {
+			t.Fatalf("%s: online grant %d, offline grant %d, online wake %d; want %d, %d, %d", what, g, f, w, onGrant, offGrant, onWake)
+		}
+	}
+	// The online instance works; the offline one waits.
+	po.Waiting.Store(1)
+	pf.Waiting.Store(1)
+	tick("online waits")
+	now += time.Millisecond
+	po.Waiting.Store(0)
+	po.QueuedNs.Store(500_000)
+	po.Launches.Store(10)
+	tick("online works")
+	check("online works", region.GrantAll, 0, region.WakeIdle)
+
+	// Its queue empties: the offline one waits out the fill grace.
+	now += time.Millisecond
+	idle := now - arbiter.DefaultFillGrace/2
+	po.IdleNs.Store(uint64(idle)) //nolint:gosec // positive
+	po.QueuedNs.Store(0)
+	at := tick("online quiet")
+	check("online quiet", region.GrantAll, 0, 0)
+	if want := idle + arbiter.DefaultFillGrace; at > want+time.Microsecond || at < now {
+		t.Fatalf("online quiet since %v: next tick at %v, want the end of the fill grace %v", idle, at, want)
+	}
+	now = at
+	tick("fill grace over")
+	check("fill grace over", region.GrantAll, region.GrantOne, region.WakeBusy)
+
+	// The online holder gets work: the fill ends at once, its grant stays.
+	now += 10 * time.Microsecond
+	po.QueuedNs.Store(200_000)
+	po.Launches.Store(11)
+	tick("online works again")
+	check("online works again", region.GrantAll, 0, region.WakeIdle)
+}
