@@ -248,7 +248,7 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 			wake = region.WakeIdle
 		}
 		if in.reg.L().Wake.Load() != wake {
-			in.reg.L().Wake.Store(wake)
+			e.setWakeLocked(in, wake)
 		}
 		in.reg.L().HeartbeatNs.Store(uint64(now)) //nolint:gosec // monotonic, positive
 	}

@@ -21,8 +21,10 @@ import (
 // read as data: a wake-up makes the loop tick at once, but no sooner than
 // minWakeTick after the previous tick, and the datagrams are discarded at
 // that tick. The loop polls the set only while it is active (an offline
-// instance has demand or fills the device); otherwise the wake words are
-// 0 and nobody sends.
+// instance has demand or fills the device), and listens to an instance's
+// socket only while its wake word is set: a tenant that was not asked
+// cannot wake it at all, one that was and sends without pause makes it
+// tick every minWakeTick at most.
 
 // errNoWake: the kernel lacks epoll_pwait2, so the loop cannot be woken.
 var errNoWake = errors.New("this kernel has no epoll_pwait2 (Linux 5.11); the enforcer is not woken by processes")
@@ -65,7 +67,7 @@ func (e *Enforcer) wakeFDLocked(in *instance) (int, error) {
 		if err != nil {
 			return -1, err
 		}
-		ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(p[0])} //nolint:gosec // fds fit in int32
+		ev := unix.EpollEvent{Events: wakeEvents(in.reg.L().Wake.Load()), Fd: int32(p[0])} //nolint:gosec // fds fit in int32
 		if err := unix.EpollCtl(e.epfd, unix.EPOLL_CTL_ADD, p[0], &ev); err != nil {
 			_ = unix.Close(p[0])
 			_ = unix.Close(p[1])
@@ -77,6 +79,25 @@ func (e *Enforcer) wakeFDLocked(in *instance) (int, error) {
 		in.wakeRecv, in.wakeSend = p[0], p[1]
 	}
 	return unix.FcntlInt(uintptr(in.wakeSend), unix.F_DUPFD_CLOEXEC, 0) //nolint:gosec // a valid fd
+}
+
+// wakeEvents is what the loop listens for on an instance's socket: nothing
+// while its wake word is 0, so that a tenant nobody asked cannot wake it.
+func wakeEvents(word uint32) uint32 {
+	if word == 0 {
+		return 0
+	}
+	return unix.EPOLLIN
+}
+
+// setWakeLocked writes instance in's wake word and listens to its socket
+// accordingly.
+func (e *Enforcer) setWakeLocked(in *instance, word uint32) {
+	old := in.reg.L().Wake.Swap(word)
+	if in.wakeRecv >= 0 && (old == 0) != (word == 0) {
+		ev := unix.EpollEvent{Events: wakeEvents(word), Fd: int32(in.wakeRecv)} //nolint:gosec // fds fit in int32
+		_ = unix.EpollCtl(e.epfd, unix.EPOLL_CTL_MOD, in.wakeRecv, &ev)
+	}
 }
 
 // closeWakeLocked closes instance in's pair (leaving the epoll set first,
@@ -97,8 +118,8 @@ func (e *Enforcer) closeWakeLocked(in *instance) {
 func (e *Enforcer) drainWakesLocked() {
 	var b [8]byte
 	for _, in := range e.list {
-		if in.wakeRecv < 0 {
-			continue
+		if in.wakeRecv < 0 || in.reg.L().Wake.Load() == 0 {
+			continue // not listened to (a backlog wakes the loop once, when it is again)
 		}
 		for range wakeDrainMax {
 			if _, _, err := unix.Recvfrom(in.wakeRecv, b[:], unix.MSG_DONTWAIT); err != nil {

@@ -1,6 +1,7 @@
 package enforcer
 
 import (
+	"context"
 	"errors"
 	"os"
 	"runtime"
@@ -20,16 +21,25 @@ import (
 // is not attached is refused one.
 func TestWakeSocket(t *testing.T) {
 	env := newEnv(t, nil)
-	e, _ := env.start(t)
+	// The attach server without the loop, which would write the wake
+	// word at its ticks.
+	e, err := New(env.cfg, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
 	if e.epfd < 0 {
 		t.Skip("this kernel has no epoll_pwait2")
 	}
-	c := env.client()
+	sctx, cancel := context.WithCancel(context.Background())
+	served := make(chan struct{})
+	go func() { e.serveAttach(sctx); close(served) }()
+	defer func() { cancel(); _ = e.client.Close(); <-served }()
 	sock := api.ClientSocket(env.runDir())
 	if _, err := attach.Wake(sock, 5*time.Second); err == nil {
 		t.Fatal("a process of no instance got a wake socket")
 	}
-	out, err := c.Create(ctx, tree(os.Getpid(), 50, 100))
+	out, err := e.Create(tree(os.Getpid(), 50, 100))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,14 +68,26 @@ func TestWakeSocket(t *testing.T) {
 		woken := e.waitUntil(t0+d, t0)
 		return woken, monotonic() - t0
 	}
+	send := func() {
+		t.Helper()
+		if _, err := unix.SendmsgN(int(w.Fd()), []byte{1}, nil, nil, unix.MSG_DONTWAIT); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if woken, took := wait(20 * time.Millisecond); woken || took < 20*time.Millisecond {
 		t.Fatalf("nothing sent: woken %v after %v, want a 20ms sleep", woken, took)
 	}
-	if _, err := unix.SendmsgN(int(w.Fd()), []byte{1}, nil, nil, unix.MSG_DONTWAIT); err != nil {
-		t.Fatal(err)
+	// Its wake word is 0: nobody asked it, and it cannot wake the loop.
+	send()
+	if woken, _ := wait(20 * time.Millisecond); woken {
+		t.Fatal("woken by an instance whose wake word is 0")
 	}
+	e.mu.Lock()
+	e.setWakeLocked(e.list[0], region.WakeBusy)
+	e.mu.Unlock()
+	send()
 	if woken, took := wait(10 * time.Second); !woken || took > 5*time.Second {
-		t.Fatalf("a datagram sent: woken %v after %v", woken, took)
+		t.Fatalf("asked to, a datagram sent: woken %v after %v", woken, took)
 	}
 	e.mu.Lock()
 	e.drainWakesLocked()
@@ -74,7 +96,7 @@ func TestWakeSocket(t *testing.T) {
 		t.Fatal("woken again after the datagram was discarded")
 	}
 
-	if _, err := c.Destroy(ctx, out.Instance.Name); err != nil {
+	if _, err := e.Destroy(out.Instance.Name); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := unix.SendmsgN(int(w.Fd()), []byte{1}, nil, nil, unix.MSG_DONTWAIT); !errors.Is(err, unix.ECONNREFUSED) {
