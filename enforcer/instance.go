@@ -421,7 +421,7 @@ func (e *Enforcer) checkQuotasLocked(req api.CreateRequest) error {
 			return invalidf("%v", err)
 		}
 		if c == policy.Offline && e.settings.OnlineOfflineSwitch == 0 {
-			return refusef("device %d does not admit offline instances (online_offline_switch = 0); set online_offline_switch = 1 for it in the node config, which applies once the device is empty", e.index)
+			return refusef("device %d does not admit offline instances (online_offline_switch = 0); set online_offline_switch = 1 (or 2) for it in the node config, which applies once the device is empty", e.index)
 		}
 	}
 	return nil
@@ -573,7 +573,8 @@ const quantum = 20 * time.Millisecond
 
 func (e *Enforcer) newArbiter() *arbiter.Arbiter {
 	s := e.settings
-	c := arbiter.Config{Policy: s.ComputePolicy, Period: s.Period(), MaxQueued: maxQueued, Handoff: handoff, Quantum: quantum}
+	c := arbiter.Config{Policy: s.ComputePolicy, Period: s.Period(), MaxQueued: maxQueued, Handoff: handoff, Quantum: quantum,
+		FillOneAtATime: s.OnlineOfflineSwitch == 2}
 	if s.ComputePolicy == policy.NativeBurstShare {
 		c.Quantum = s.NativeSlice()
 	}

@@ -34,7 +34,7 @@ func TestOfflineRefusedWithoutSwitch(t *testing.T) {
 		status int
 		want   string
 	}{
-		{classTree(pid, 10, 1, "offline"), 409, "device 0 does not admit offline instances (online_offline_switch = 0); set online_offline_switch = 1 for it in the node config, which applies once the device is empty"},
+		{classTree(pid, 10, 1, "offline"), 409, "device 0 does not admit offline instances (online_offline_switch = 0); set online_offline_switch = 1 (or 2) for it in the node config, which applies once the device is empty"},
 		{classTree(pid, 10, 1, "batch"), 400, `bad request: unknown priority class "batch" (want online or offline)`},
 	} {
 		_, err := c.Create(ctx, tc.req)

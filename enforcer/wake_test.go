@@ -105,15 +105,24 @@ func TestWakeSocket(t *testing.T) {
 }
 
 // The tick writes what the processes act on: an offline instance fills
-// the device one kernel at a time (MGPU_GRANT_ONE) once the online holder
-// has been quiet for the fill grace, the online one is then asked to wake
-// the loop when it gets work, and is asked to report going idle while the
-// offline one waits.
+// the device once the online holder has been quiet for the fill grace (one
+// kernel at a time, MGPU_GRANT_ONE, under online_offline_switch = 2), the
+// online one is then asked to wake the loop when it gets work, and is asked
+// to report going idle while the offline one waits.
 func TestFillWords(t *testing.T) {
+	for _, tc := range []struct {
+		sw   string
+		fill uint32
+	}{{"1", region.GrantAll}, {"2", region.GrantOne}} {
+		t.Run("switch "+tc.sw, func(t *testing.T) { testFillWords(t, tc.sw, tc.fill) })
+	}
+}
+
+func testFillWords(t *testing.T, sw string, fill uint32) {
 	// guaranteed-burst-share: the online instance enters as soon as it
 	// waits (under fixed-share it first banks its entry credit, and the
 	// offline one fills meanwhile).
-	burst, switchOn := withPolicy("guaranteed-burst-share"), withOnlineOffline("1")
+	burst, switchOn := withPolicy("guaranteed-burst-share"), withOnlineOffline(sw)
 	env := newEnv(t, func(s string) string { return switchOn(burst(s)) })
 	e, err := New(env.cfg, 0)
 	if err != nil {
@@ -174,7 +183,7 @@ func TestFillWords(t *testing.T) {
 	}
 	now = at
 	tick("fill grace over")
-	check("fill grace over", region.GrantAll, region.GrantOne, region.WakeBusy)
+	check("fill grace over", region.GrantAll, fill, region.WakeBusy)
 
 	// The online holder gets work: the fill ends at once, its grant stays.
 	now += 10 * time.Microsecond

@@ -177,6 +177,12 @@ type Config struct {
 	// request shorter than this does not let offline work in. 0 selects
 	// DefaultFillGrace.
 	FillGrace time.Duration
+	// FillOneAtATime: an offline instance that fills the device beside an
+	// online holder keeps one kernel in flight (OneAtATime), so that an
+	// online request finds at most that kernel ahead of its own; otherwise
+	// it keeps its queue bound (more of the idle time filled, a longer
+	// wait for the online request).
+	FillOneAtATime bool
 }
 
 // Usage is what the enforcer reads from an instance's region at a tick.
@@ -261,6 +267,7 @@ type Arbiter struct {
 	fill      int
 	fillStart time.Duration
 	fillGrace time.Duration
+	fillOne   bool // Config.FillOneAtATime
 
 	tailFrom int           // index of the last revoked holder, -1 none
 	tailEnd  time.Duration // when its tail is estimated to end
@@ -302,6 +309,7 @@ func New(cfg Config) *Arbiter {
 		holder:    -1,
 		fill:      -1,
 		fillGrace: cfg.FillGrace,
+		fillOne:   cfg.FillOneAtATime,
 		tailFrom:  -1,
 		out:       make([]int, 0, 2),
 	}
@@ -672,15 +680,15 @@ func (a *Arbiter) Wake(id int) (busy, idle bool) {
 }
 
 // OneAtATime reports whether instance id holds its grant only to keep one
-// kernel in flight: it is the offline instance filling the device beside
-// an online holder, which may get work at any moment and then finds that
-// one kernel ahead of its own (mgpu_region.h, MGPU_GRANT_ONE). An offline
-// instance filling while no online instance holds (they are held back by
-// their policy; their return is foreseen and handed off as a hold is)
-// keeps its queue bound.
+// kernel in flight (Config.FillOneAtATime): it is the offline instance
+// filling the device beside an online holder, which may get work at any
+// moment and then finds that one kernel ahead of its own (mgpu_region.h,
+// MGPU_GRANT_ONE). An offline instance filling while no online instance
+// holds (they are held back by their policy; their return is foreseen and
+// handed off as a hold is) keeps its queue bound.
 func (a *Arbiter) OneAtATime(id int) bool {
 	i, ok := a.index[id]
-	return ok && i == a.fill && a.holder >= 0
+	return ok && a.fillOne && i == a.fill && a.holder >= 0
 }
 
 // offlineWaits reports whether an offline instance waits to fill.

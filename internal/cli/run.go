@@ -216,7 +216,7 @@ func init() {
 			&cli.IntFlag{Name: "core", Usage: "compute quota `C`, percent of the device's time (1..100)"},
 			&cli.IntFlag{Name: "memory", Usage: "device-memory quota `M` in MiB"},
 			&cli.StringFlag{Name: "policy", Usage: "`P`, the policy the command expects; refused when the device runs another"},
-			&cli.StringFlag{Name: "class", Usage: "priority `CLASS`: online (default) or offline, which runs only on time online instances leave (the device needs online_offline_switch = 1)"},
+			&cli.StringFlag{Name: "class", Usage: "priority `CLASS`: online (default) or offline, which runs only on time online instances leave (the device needs online_offline_switch 1 or 2)"},
 			&cli.StringFlag{Name: "shim", Usage: "preload the shim at `PATH` (default: $" + EnvShim + ", then the installed one)"},
 		},
 		Action: runCommand,

@@ -77,8 +77,10 @@ type DeviceSettings struct {
 	MaxInstances int `toml:"max_instances"`
 	// OnlineOfflineSwitch is online/offline co-location: 0 (default) off,
 	// every instance online (an offline one is refused); 1 on, offline
-	// instances run on device time no online instance wants
-	// (docs/arbiter.md "Online and offline instances").
+	// instances run on device time no online instance wants, with their
+	// queue bound; 2 on, latency first: beside an online holder an offline
+	// instance keeps one kernel in flight (docs/arbiter.md "Online and
+	// offline instances").
 	OnlineOfflineSwitch int `toml:"online_offline_switch"`
 }
 
@@ -558,8 +560,8 @@ func validateSettings(prefix string, s DeviceSettings, override bool) error {
 	if outside(s.MaxInstances, 1, MaxMaxInstances) {
 		return &Error{Key: prefix + ".max_instances", Err: fmt.Errorf("must be 1..%d, got %d", MaxMaxInstances, s.MaxInstances)}
 	}
-	if s.OnlineOfflineSwitch != 0 && s.OnlineOfflineSwitch != 1 {
-		return &Error{Key: prefix + ".online_offline_switch", Err: fmt.Errorf("must be 0 (off) or 1 (offline instances use the time online ones leave), got %d", s.OnlineOfflineSwitch)}
+	if s.OnlineOfflineSwitch < 0 || s.OnlineOfflineSwitch > 2 {
+		return &Error{Key: prefix + ".online_offline_switch", Err: fmt.Errorf("must be 0 (off), 1 (offline instances use the time online ones leave) or 2 (the same, one offline kernel in flight beside an online instance), got %d", s.OnlineOfflineSwitch)}
 	}
 	return nil
 }

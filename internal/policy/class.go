@@ -3,7 +3,7 @@ package policy
 import "fmt"
 
 // Class is an instance's priority class on a device that runs
-// online/offline co-location (online_offline_switch = 1).
+// online/offline co-location (online_offline_switch 1 or 2).
 type Class uint32
 
 const (

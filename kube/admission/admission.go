@@ -70,7 +70,7 @@ func Admit(pod *corev1.Pod) ([]PatchOperation, error) {
 	}
 	if v, ok := pod.Annotations[ClassKey]; ok {
 		if _, cerr := policy.ParseClass(v); cerr != nil {
-			d.add("metadata.annotations[%s]: %q is not a priority class; set online or offline (offline runs only on GPU time online pods leave, on GPUs of online_offline_switch = 1)", ClassKey, v)
+			d.add("metadata.annotations[%s]: %q is not a priority class; set online or offline (offline runs only on GPU time online pods leave, on GPUs of online_offline_switch 1 or 2)", ClassKey, v)
 		}
 	}
 	wants := validateContainers(pod, &d)

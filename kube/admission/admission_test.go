@@ -126,7 +126,7 @@ func TestAdmitValidation(t *testing.T) {
 		}},
 		{name: "policy without mgpu", pod: withAnnotation(podOf(res(nil)), "native-burst-share")},
 		{name: "bad class", pod: withClass(podOf(mgpu("30", "1024")), "batch"), want: []string{
-			`metadata.annotations[vke.volcengine.com/mgpu-class]: "batch" is not a priority class; set online or offline (offline runs only on GPU time online pods leave, on GPUs of online_offline_switch = 1)`,
+			`metadata.annotations[vke.volcengine.com/mgpu-class]: "batch" is not a priority class; set online or offline (offline runs only on GPU time online pods leave, on GPUs of online_offline_switch 1 or 2)`,
 		}},
 		{name: "offline class", pod: withClass(podOf(mgpu("30", "1024")), "offline"), ops: true},
 		{name: "policy", pod: withAnnotation(podOf(mgpu("30", "1024")), "guaranteed-burst-share"), ops: true},

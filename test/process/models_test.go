@@ -152,7 +152,7 @@ func TestFixedShareSynchronisedSteps(t *testing.T) {
 // ones get 30 and 40 ± 2 as if alone, and the offline one the rest of the
 // device: at most 2 points of it idle (issue 18; docs/arbiter.md "Online
 // and offline instances"), under every device model. (Against a fixed 30
-// the offline one measured 28.03-29.35: the online ones overrun their caps
+// the offline one measured 27.98-29.35: the online ones overrun their caps
 // by up to 0.8 points beside it, which comes out of its time.)
 func TestOnlineOfflineShares(t *testing.T) {
 	loads := []load{
