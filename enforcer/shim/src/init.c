@@ -113,6 +113,7 @@ static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t g_peers_mu = PTHREAD_MUTEX_INITIALIZER; /* asking for peers' proc files */
 static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
 static void reset_attachment(void);
+static int still_wake(struct mgpu_dev *d, int fd);
 
 static void atfork_child(void)
 {
@@ -254,7 +255,7 @@ static void reset_attachment(void)
 {
     for (int i = 0; i < g_ndevs; i++) {
         int w = atomic_load(&g_devs[i].wake_fd1);
-        if (w > 0)
+        if (w > 0 && still_wake(&g_devs[i], w - 1))
             close(w - 1);
         unmap_dev(&g_devs[i]);
         memset(&g_devs[i], 0, sizeof g_devs[i]);
@@ -545,6 +546,11 @@ static int fetch_wake(struct mgpu_dev *d, uint32_t ep)
             close(fd);
         return -1;
     }
+    struct stat st;
+    if (fstat(fd, &st) || !S_ISSOCK(st.st_mode)) {
+        close(fd);
+        return -1;
+    }
     int old = atomic_load(&d->wake_fd1);
     if (old > 0) {
         if (dup3(fd, old - 1, O_CLOEXEC) < 0) {
@@ -555,21 +561,45 @@ static int fetch_wake(struct mgpu_dev *d, uint32_t ep)
     } else {
         atomic_store(&d->wake_fd1, fd + 1);
     }
+    atomic_store(&d->wake_ino, (uint64_t)st.st_ino);
     atomic_store(&d->wake_epoch, ep);
     return 0;
+}
+
+/* Whether descriptor fd is still the wake socket: an application that
+ * closes descriptors it did not open (closefrom) may have reused the
+ * number for one of its own, which must never receive a datagram. */
+static int still_wake(struct mgpu_dev *d, int fd)
+{
+    struct stat st;
+    return fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) && (uint64_t)st.st_ino == atomic_load(&d->wake_ino);
 }
 
 void mgpu_wake(struct mgpu_dev *d)
 {
     uint32_t ep = atomic_load_explicit(&d->region->enforcer_epoch, memory_order_acquire);
     int fd1 = atomic_load_explicit(&d->wake_fd1, memory_order_acquire);
+    int saved = errno;
+    if (fd1 > 0 && !still_wake(d, fd1 - 1)) {
+        /* Not ours any more (checked again under the fetch mutex, which
+         * a replacement holds): forget the number, never close it, and
+         * ask for a new socket. */
+        if (pthread_mutex_trylock(&g_wake_mu) != 0) {
+            errno = saved;
+            return;
+        }
+        if (atomic_load(&d->wake_fd1) == fd1 && !still_wake(d, fd1 - 1))
+            atomic_store(&d->wake_fd1, 0);
+        pthread_mutex_unlock(&g_wake_mu);
+        fd1 = atomic_load(&d->wake_fd1);
+    }
+    errno = saved;
     if (fd1 <= 0 || atomic_load_explicit(&d->wake_epoch, memory_order_acquire) != ep) {
         /* One thread fetches; the others go on without waking (the
          * enforcer's tick comes anyway).  A failure is retried a second
          * later at the earliest. */
         if (mono_ns() < atomic_load(&d->wake_retry_ns) || pthread_mutex_trylock(&g_wake_mu) != 0)
             return;
-        int saved = errno;
         int r = 0;
         if (atomic_load(&d->wake_epoch) != ep || atomic_load(&d->wake_fd1) <= 0)
             r = fetch_wake(d, ep);
@@ -581,7 +611,6 @@ void mgpu_wake(struct mgpu_dev *d)
         if (r || fd1 <= 0)
             return;
     }
-    int saved = errno;
     char b = 1;
     while (send(fd1 - 1, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno == EINTR)
         ;

@@ -44,11 +44,12 @@ struct mgpu_dev {
     uint64_t max_queued_ns;
     /* The instance's wake socket (mgpu_region.h, MGPU_ATTACH_FLAG_WAKE):
      * its descriptor + 1 (0: none yet), the enforcer epoch it belongs to,
-     * and the CLOCK_MONOTONIC time before which a failed fetch is not
-     * retried. */
+     * the CLOCK_MONOTONIC time before which a failed fetch is not
+     * retried, and its inode. */
     _Atomic int wake_fd1;
     _Atomic uint32_t wake_epoch;
     _Atomic uint64_t wake_retry_ns;
+    _Atomic uint64_t wake_ino; /* the socket's inode: the descriptor is still ours */
 };
 
 enum mgpu_state {
