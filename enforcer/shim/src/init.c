@@ -111,6 +111,7 @@ static struct link_map *self_map(void)
 static pthread_mutex_t g_load_mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
 static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t g_peers_mu = PTHREAD_MUTEX_INITIALIZER; /* asking for peers' proc files */
+static pthread_mutex_t g_wake_mu = PTHREAD_MUTEX_INITIALIZER;  /* fetching a wake socket */
 static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
 static void reset_attachment(void);
 static int still_wake(struct mgpu_dev *d, int fd);
@@ -125,6 +126,7 @@ static void atfork_child(void)
     g_load_mu = rec;
     g_init_mu = plain;
     g_peers_mu = plain;
+    g_wake_mu = plain;
     mgpu_acct_mu = plain;
     reset_attachment();
     mgpu_mem_reset_after_fork();
@@ -513,8 +515,6 @@ static int fetch_peers(struct mgpu_dev *d, char *err, size_t errlen)
         close(fds[i]);
     return r;
 }
-
-static pthread_mutex_t g_wake_mu = PTHREAD_MUTEX_INITIALIZER; /* fetching a wake socket */
 
 static uint64_t mono_ns(void)
 {
