@@ -352,11 +352,19 @@ func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerI
 	return resp, fds, in, slot
 }
 
-// attachedLocked finds the instance and slot of an attached caller; when it
-// is not attached, ok is false and resp is the refusal to send.
-func (e *Enforcer) attachedLocked(resp attach.Response, pid int, info peerInfo) (_ attach.Response, _ *instance, own int, ok bool) {
+// forAttached answers a request of an attached process about its own
+// instance: answer runs under the lock with the caller's instance and slot
+// and fills in what the request is for; a caller that is not attached is
+// refused.
+func (e *Enforcer) forAttached(pid, pidfd int, answer func(resp *attach.Response, in *instance, own int) []int) (attach.Response, []int) {
+	resp, info, ok := e.inspectCaller(pid, pidfd)
+	if !ok {
+		return resp, nil
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	in := e.matchLocked(info)
-	own = -1
+	own := -1
 	if in != nil {
 		in.forSlots(func(i int) {
 			if p := in.reg.Proc(i); int(p.PID.Load()) == pid && p.StartTime.Load() == info.startTime {
@@ -367,70 +375,52 @@ func (e *Enforcer) attachedLocked(resp attach.Response, pid int, info peerInfo) 
 	if own < 0 {
 		resp.Status = attach.NoInstance
 		resp.Message = fmt.Sprintf("mgpu: pid %d is not attached to an instance of device %d", pid, e.index)
-		return resp, nil, -1, false
+		return resp, nil
 	}
-	return resp, in, own, true
+	resp.Slot = uint32(own)         //nolint:gosec // < MaxProcs
+	resp.InstanceID = uint32(in.id) //nolint:gosec // small
+	resp.ControlSize, resp.ProcSize = region.ControlFileSize, region.ProcFileSize
+	fds := answer(&resp, in, own)
+	return resp, fds
 }
 
 // wakeSocket answers an attached process's request for its instance's wake
 // socket (wake.go).
 func (e *Enforcer) wakeSocket(pid, pidfd int) (attach.Response, []int) {
-	resp, info, ok := e.inspectCaller(pid, pidfd)
-	if !ok {
-		return resp, nil
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	resp, in, own, ok := e.attachedLocked(resp, pid, info)
-	if !ok {
-		return resp, nil
-	}
-	fd, err := e.wakeFDLocked(in)
-	if err != nil {
-		resp.Status = attach.Internal
-		resp.Message = "mgpu: the instance's wake socket: " + err.Error()
-		return resp, nil
-	}
-	resp.Slot = uint32(own)         //nolint:gosec // < MaxProcs
-	resp.InstanceID = uint32(in.id) //nolint:gosec // small
-	resp.ControlSize, resp.ProcSize = region.ControlFileSize, region.ProcFileSize
-	return resp, []int{fd}
+	return e.forAttached(pid, pidfd, func(resp *attach.Response, in *instance, _ int) []int {
+		fd, err := e.wakeFDLocked(in)
+		if err != nil {
+			resp.Status = attach.Internal
+			resp.Message = "mgpu: the instance's wake socket: " + err.Error()
+			return nil
+		}
+		return []int{fd}
+	})
 }
 
 // peers answers an attached process's request for the read-only proc files
 // of the other attached processes of its instance.
 func (e *Enforcer) peers(pid, pidfd int) (attach.Response, []int) {
-	resp, info, ok := e.inspectCaller(pid, pidfd)
-	if !ok {
-		return resp, nil
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	resp, in, own, ok := e.attachedLocked(resp, pid, info)
-	if !ok {
-		return resp, nil
-	}
-	var slots []int
-	in.forSlots(func(i int) {
-		if i != own {
-			slots = append(slots, i)
-			resp.Peers[i/64] |= 1 << (i % 64)
+	return e.forAttached(pid, pidfd, func(resp *attach.Response, in *instance, own int) []int {
+		var slots []int
+		in.forSlots(func(i int) {
+			if i != own {
+				slots = append(slots, i)
+				resp.Peers[i/64] |= 1 << (i % 64)
+			}
+		})
+		fds, err := in.reg.PeerFDs(e.view, slots)
+		if err != nil {
+			resp.Status = attach.Internal
+			resp.Message = "mgpu: " + err.Error()
+			resp.Peers = [2]uint64{}
+			return nil
 		}
+		if len(fds) == 0 {
+			return nil // no SCM_RIGHTS message
+		}
+		return fds
 	})
-	fds, err := in.reg.PeerFDs(e.view, slots)
-	if err != nil {
-		resp.Status = attach.Internal
-		resp.Message = "mgpu: " + err.Error()
-		resp.Peers = [2]uint64{}
-		return resp, nil
-	}
-	resp.Slot = uint32(own)         //nolint:gosec // < MaxProcs
-	resp.InstanceID = uint32(in.id) //nolint:gosec // small
-	resp.ControlSize, resp.ProcSize = region.ControlFileSize, region.ProcFileSize
-	if len(fds) == 0 {
-		fds = nil // no SCM_RIGHTS message
-	}
-	return resp, fds
 }
 
 // exited reports whether a pidfd's process has exited (the pidfd polls

@@ -136,14 +136,7 @@ func TestQueueBound(t *testing.T) {
 	c, _, se := e.bg(workload, "compute", "--kernel-us", "1000", "--depth", "64", "--seconds", "0.6")
 	p := s.slotFor(t, c.Process.Pid)
 	eventually(t, "launches", func() bool { return p.Launches.Load() > 50 })
-	var maxQ uint64
-	t0 := time.Now()
-	for time.Since(t0) < 150*time.Millisecond {
-		if q := p.QueuedNs.Load(); q > maxQ {
-			maxQ = q
-		}
-		time.Sleep(100 * time.Microsecond)
-	}
+	maxQ := maxQueuedOver(p, 150*time.Millisecond)
 	// The estimate is what is bounded; a launch is always admitted when
 	// nothing is outstanding, and kernel times jitter on a loaded machine.
 	if maxQ > bound*5/4 {
@@ -233,12 +226,7 @@ func TestGrantOne(t *testing.T) {
 	c, _, se := e.bg(workload, "compute", "--kernel-us", "500", "--depth", "16", "--seconds", "0.5")
 	p := s.slotFor(t, c.Process.Pid)
 	eventually(t, "launches", func() bool { return p.Launches.Load() > 20 })
-	var maxQ uint64
-	t0 := time.Now()
-	for time.Since(t0) < 150*time.Millisecond {
-		maxQ = max(maxQ, p.QueuedNs.Load())
-		time.Sleep(100 * time.Microsecond)
-	}
+	maxQ := maxQueuedOver(p, 150*time.Millisecond)
 	if err := c.Wait(); err != nil {
 		t.Fatalf("workload: %v\n%s", err, se)
 	}
@@ -247,4 +235,15 @@ func TestGrantOne(t *testing.T) {
 	if maxQ == 0 || maxQ > 800e3 {
 		t.Fatalf("queued_ns reached %v, want one 500 µs kernel", time.Duration(maxQ))
 	}
+}
+
+// maxQueuedOver samples a process's queued_ns every 100 µs for d and
+// returns the largest value.
+func maxQueuedOver(p *region.Proc, d time.Duration) uint64 {
+	var maxQ uint64
+	for t0 := time.Now(); time.Since(t0) < d; {
+		maxQ = max(maxQ, p.QueuedNs.Load())
+		time.Sleep(100 * time.Microsecond)
+	}
+	return maxQ
 }

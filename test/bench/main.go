@@ -460,17 +460,7 @@ func (b *bench) shareCase(p policy.Policy, model string, cores, kernels []int) (
 
 func waitStarted(jobs []*harness.Job) error {
 	for _, j := range jobs {
-		if err := harness.WaitFor(20*time.Second, func() error {
-			if strings.Contains(j.Output(), "start") {
-				return nil
-			}
-			select {
-			case <-j.Done():
-				return fmt.Errorf("workload exited: %s", j.Output())
-			default:
-				return fmt.Errorf("workload not started")
-			}
-		}); err != nil {
+		if err := j.WaitStarted(20 * time.Second); err != nil {
 			return err
 		}
 	}

@@ -260,6 +260,22 @@ func (j *Job) Wait() error {
 	return j.err
 }
 
+// WaitStarted waits up to timeout for the workload's "start" line; an
+// error if it exits or times out first.
+func (j *Job) WaitStarted(timeout time.Duration) error {
+	return WaitFor(timeout, func() error {
+		if strings.Contains(j.Output(), "start") {
+			return nil
+		}
+		select {
+		case <-j.Done():
+			return fmt.Errorf("workload exited: %s", j.Output())
+		default:
+			return fmt.Errorf("workload not started")
+		}
+	})
+}
+
 // Done is closed when the job has ended.
 func (j *Job) Done() <-chan struct{} { return j.done }
 

@@ -1,11 +1,9 @@
 package process
 
 import (
-	"fmt"
 	"regexp"
 	"sort"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -102,17 +100,7 @@ func startJob(t *testing.T, n *harness.Node, spec harness.RunSpec) *harness.Job 
 		t.Fatal(err)
 	}
 	t.Cleanup(j.Kill)
-	if err := harness.WaitFor(30*time.Second, func() error {
-		if strings.Contains(j.Output(), "start") {
-			return nil
-		}
-		select {
-		case <-j.Done():
-			return fmt.Errorf("workload exited: %s", j.Output())
-		default:
-			return fmt.Errorf("workload not started")
-		}
-	}); err != nil {
+	if err := j.WaitStarted(30 * time.Second); err != nil {
 		t.Fatal(err)
 	}
 	return j
