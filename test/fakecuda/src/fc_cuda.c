@@ -906,6 +906,7 @@ static void run_kernel(CUcontext c, uint64_t dur, struct held *hd)
     uint64_t se = d->model == FC_MODEL_TIMER ? fc_exec_slice_end(d, hd->ticket) : UINT64_MAX;
     for (;;) {
         uint64_t wake = se < end ? se : end;
+        __atomic_store_n(&d->hold_until_ns, wake, __ATOMIC_RELAXED);
         struct timespec ts = {(time_t)(wake / 1000000000ULL), (long)(wake % 1000000000ULL)};
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
             ;

@@ -15,7 +15,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#define FC_LIVENESS_POLL_NS 100000000L /* a dead owner is noticed within 100 ms */
+/* A waiter re-checks the owner's liveness this long after the owner's
+ * worker should have woken (fc_dev.hold_until_ns), and at least this
+ * often: a process that dies holding the device (SIGKILL inside a kernel)
+ * hands it on about when its kernel would have ended, as a real driver
+ * tears a dead process's context down at once. */
+#define FC_LIVENESS_SLACK_NS 1000000ULL
+#define FC_LIVENESS_POLL_NS 10000000ULL
 
 const char *fc_env_state_dir(void)
 {
@@ -583,7 +589,11 @@ uint64_t fc_exec_acquire(struct fc_dev *d, int proc, uint64_t *since)
         }
         uint32_t seq = __atomic_load_n(&d->seq, __ATOMIC_SEQ_CST);
         fc_dev_unlock(d);
-        struct timespec ts = {0, FC_LIVENESS_POLL_NS};
+        uint64_t until = __atomic_load_n(&d->hold_until_ns, __ATOMIC_RELAXED), now = fc_now_ns();
+        uint64_t wait = (until > now ? until - now : 0) + FC_LIVENESS_SLACK_NS;
+        if (wait > FC_LIVENESS_POLL_NS)
+            wait = FC_LIVENESS_POLL_NS;
+        struct timespec ts = {(time_t)(wait / 1000000000ULL), (long)(wait % 1000000000ULL)};
         futex(&d->seq, FUTEX_WAIT, seq, &ts);
         fc_dev_lock(d);
         if (d->owner_ticket && d->owner_ticket != t && !fc_proc_check_locked(d, d->owner_proc))

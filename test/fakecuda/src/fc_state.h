@@ -24,7 +24,7 @@
 #define FC_MAX_PROCS 1024
 #define FC_MAX_WAITERS 256
 #define FC_MAGIC 0x41445543454b4146ULL /* "FAKECUDA" */
-#define FC_LAYOUT 6
+#define FC_LAYOUT 7
 #define FC_TRACE 4096 /* ownership changes kept in fc_dev.trace */
 #define FC_SAMPLES 16 /* utilisation samples kept in fc_dev.samp (NVML) */
 #define FC_SAMPLE_MIN_NS 20000000ULL /* NVML takes a new sample at most every 20 ms */
@@ -110,6 +110,10 @@ struct fc_dev {
      * worker not awake yet).  A reader adds now - hold_ns to the owner's
      * busy_ns (fc_busy_now_locked). */
     uint64_t hold_ns;
+    /* CLOCK_MONOTONIC when the owner's worker wakes next (the end of its
+     * kernel, or of its slice in timer); written without mu (a hint for
+     * the waiters' liveness checks, fc_exec_acquire). */
+    uint64_t hold_until_ns;
     uint64_t nsamp;     /* utilisation samples taken; sample k is samp[k % FC_SAMPLES] */
     uint64_t samp_from; /* samples before it are void (reset) */
     struct fc_sample samp[FC_SAMPLES];

@@ -1064,6 +1064,106 @@ static int t_nvml_list(void)
     return 0;
 }
 
+/* One kernel of us on a new stream, then (hold != 0) sleep until killed, or
+ * exit when it is done. */
+static void owner_child(uint64_t us, int readyfd, int hold)
+{
+    setup();
+    CUstream s;
+    OK(cuStreamCreate(&s, 0));
+    uint64_t ns = us * 1000ULL;
+    void *p[] = {&ns};
+    OK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s, p, NULL));
+    char c = 'r';
+    CHECK(write(readyfd, &c, 1) == 1);
+    if (hold)
+        for (;;)
+            pause();
+    OK(cuStreamSynchronize(s));
+    _exit(0);
+}
+
+/* The device table entry of process pid (-1: none yet). */
+static int entry_of(struct fc_dev *d, pid_t pid)
+{
+    int e = -1;
+    fc_dev_lock(d);
+    for (int i = 0; i < FC_MAX_PROCS; i++)
+        if (d->procs[i].state == FC_PROC_ALIVE && d->procs[i].pid == pid)
+            e = i;
+    fc_dev_unlock(d);
+    return e;
+}
+
+/* Polls (1 ms apart, 10 s at most) until cond(d, arg) holds under d->mu. */
+static void await_dev(struct fc_dev *d, int (*cond)(struct fc_dev *, int), int arg, const char *what)
+{
+    for (int i = 0; i < 10000; i++) {
+        fc_dev_lock(d);
+        int ok = cond(d, arg);
+        fc_dev_unlock(d);
+        if (ok)
+            return;
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    printf("FAIL %s: not within 10 s\n", what);
+    exit(1);
+}
+
+static int owned_by(struct fc_dev *d, int e) { return d->owner_proc == e && d->owner_ticket != 0; }
+static int someone_waits(struct fc_dev *d, int e) { (void)e; return d->nwait > 0; }
+
+/* A process killed (SIGKILL) inside a 5 s kernel while another waits for
+ * the device: how long after its death (waitpid) the other got the device,
+ * from the device's ownership trace:
+ *   handover_us=N */
+static int t_killed_owner(void)
+{
+    struct fc_dev *d = fc_dev_open(0, 1);
+    if (!d) {
+        printf("FAIL device state: %s\n", strerror(errno));
+        return 1;
+    }
+    fflush(stdout);
+    int ready[2];
+    CHECK(pipe(ready) == 0);
+    pid_t a = fork();
+    CHECK(a >= 0);
+    if (a == 0)
+        owner_child(5000000, ready[1], 1);
+    char c;
+    CHECK(read(ready[0], &c, 1) == 1);
+    int ea = entry_of(d, a);
+    CHECK(ea >= 0);
+    await_dev(d, owned_by, ea, "the 5 s kernel holds the device");
+    pid_t b = fork();
+    CHECK(b >= 0);
+    if (b == 0)
+        owner_child(1000, ready[1], 0);
+    CHECK(read(ready[0], &c, 1) == 1);
+    await_dev(d, someone_waits, 0, "the second process waits for the device");
+    int eb = entry_of(d, b);
+    CHECK(eb >= 0);
+    fc_dev_lock(d);
+    uint64_t n0 = d->ntrace;
+    fc_dev_unlock(d);
+    CHECK(kill(a, SIGKILL) == 0);
+    int st = 0;
+    CHECK(waitpid(a, &st, 0) == a);
+    uint64_t dead = now_ns();
+    CHECK(waitpid(b, &st, 0) == b && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    uint64_t handed = 0;
+    fc_dev_lock(d);
+    for (uint64_t i = n0; i < d->ntrace && !handed; i++)
+        if (d->trace[i % FC_TRACE].proc == eb)
+            handed = d->trace[i % FC_TRACE].t_ns;
+    fc_dev_unlock(d);
+    CHECK(handed != 0);
+    printf("handover_us=%llu\n", (unsigned long long)(handed > dead ? (handed - dead) / 1000 : 0));
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 5 && !strcmp(argv[1], "share"))
@@ -1072,7 +1172,7 @@ int main(int argc, char **argv)
         return t_nvml_util(strtoull(argv[2], NULL, 10), strtoull(argv[3], NULL, 10), strtoull(argv[4], NULL, 10),
                            strtoull(argv[5], NULL, 10));
     if (argc != 2) {
-        fprintf(stderr, "usage: fctest async|procaddr|ptsz|graph|memory|slice|init|nvml-procs|nvml-list\n"
+        fprintf(stderr, "usage: fctest async|procaddr|ptsz|graph|memory|slice|init|nvml-procs|nvml-list|killed-owner\n"
                         "       fctest share PROCESSES KERNEL_US KERNELS\n"
                         "       fctest nvml-util A_KERNEL_US B_KERNEL_US B_PERIOD_US MS\n");
         return 2;
@@ -1096,5 +1196,7 @@ int main(int argc, char **argv)
         r = t_nvml_procs();
     else if (!strcmp(argv[1], "nvml-list"))
         r = t_nvml_list();
+    else if (!strcmp(argv[1], "killed-owner"))
+        r = t_killed_owner();
     return r;
 }
