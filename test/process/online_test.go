@@ -48,9 +48,8 @@ func TestOnlineRequestsBesideOffline(t *testing.T) {
 }
 
 // serveRequests runs the request server for 3 s, beside what start starts
-// (nil: alone), and returns its requests' latencies (the first, a cold
-// start, left out) and, beside something, that one's part of the device
-// time the server left idle (percent).
+// (nil: alone), and returns its requests' latencies and, beside something,
+// that one's part of the device time the server left idle (percent).
 func serveRequests(t *testing.T, n *harness.Node, start func() *harness.Job) ([]time.Duration, float64) {
 	t.Helper()
 	var other *harness.Job
@@ -85,7 +84,7 @@ func serveRequests(t *testing.T, n *harness.Node, start func() *harness.Job) ([]
 		t.Fatalf("serve printed %d latencies: %s", len(m), j.Output())
 	}
 	var lat []time.Duration
-	for _, l := range m[1:] {
+	for _, l := range m {
 		us, _ := strconv.Atoi(l[1])
 		lat = append(lat, time.Duration(us)*time.Microsecond)
 	}

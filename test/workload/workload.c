@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -723,12 +724,36 @@ static uint64_t pct(const uint64_t *v, size_t n, double p)
     return v[k - 1];
 }
 
+static volatile sig_atomic_t serve_stop;
+
+static void serve_on_signal(int sig)
+{
+    (void)sig;
+    serve_stop = 1;
+}
+
+/* One request: --burst kernels on s, at most --depth in flight (ev holds
+ * --depth events), and the wait for the last. */
+static void serve_request(CUstream s, CUevent *ev)
+{
+    for (long k = 0; k < opt.burst; k++) {
+        if (k >= opt.depth)
+            CK(cu.cuEventSynchronize(ev[k % opt.depth])); /* at most depth in flight */
+        CUresult r = launch_one(s);
+        if (r != CUDA_SUCCESS)
+            die("launch -> %s (%d)", errname(r), (int)r);
+        CK(cu.cuEventRecord(ev[k % opt.depth], s));
+    }
+    CK(cu.cuStreamSynchronize(s));
+}
+
 /* An inference server's shape: requests arrive on a fixed schedule (every
  * --period-ms from the start, whether or not the previous one is done);
  * each launches --burst kernels of --kernel-us on one stream, at most
  * --depth in flight, and waits for the last. A request's latency runs from
  * its scheduled arrival to its completion, so time spent waiting behind a
- * late predecessor counts, as it does for a client. */
+ * late predecessor counts, as it does for a client. One unmeasured request
+ * warms the server up before the schedule starts. */
 static int cmd_serve(void)
 {
     if (opt.kernel_us < 0 || opt.burst < 1 || opt.period_ms <= 0 || opt.seconds <= 0 || opt.depth < 1)
@@ -747,29 +772,36 @@ static int cmd_serve(void)
         die("out of host memory");
     for (long i = 0; i < opt.depth; i++)
         CK(cu.cuEventCreate(&ev[i], CU_EVENT_DISABLE_TIMING));
-    printf("start mono_ns=%" PRIu64 "\n", now_ns());
-    fflush(stdout);
+    /* A server warms up before it takes traffic: one unmeasured request
+     * (the first launches of a process are slow, and a slow first request
+     * would make the next few late too). */
+    serve_request(s, ev);
+    /* SIGTERM or SIGINT ends the schedule: the request in progress
+     * completes, and the requests served are reported. */
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = serve_on_signal; /* no SA_RESTART: a sleep ends at once */
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGTERM, &sa, NULL) != 0 || sigaction(SIGINT, &sa, NULL) != 0)
+        die("sigaction: %s", strerror(errno));
+    /* request i arrives at mono_ns + i x period */
     uint64_t t0 = now_ns(), end = t0 + (uint64_t)(opt.seconds * 1e9);
+    printf("start mono_ns=%" PRIu64 "\n", t0);
+    fflush(stdout);
     size_t n = 0, late = 0;
     uint64_t busy = 0;
-    for (uint64_t arrive = t0; arrive < end && n < max_req; arrive += period) {
+    for (uint64_t arrive = t0; arrive < end && n < max_req && !serve_stop; arrive += period) {
         uint64_t now = now_ns();
         if (now < arrive) {
             struct timespec ts = {(time_t)(arrive / 1000000000ULL), (long)(arrive % 1000000000ULL)};
-            while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+            while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR && !serve_stop)
                 ;
+            if (serve_stop)
+                break;
         } else if (n > 0) {
             late++; /* the previous request was still running when this one arrived */
         }
-        for (long k = 0; k < opt.burst; k++) {
-            if (k >= opt.depth)
-                CK(cu.cuEventSynchronize(ev[k % opt.depth])); /* at most depth in flight */
-            CUresult r = launch_one(s);
-            if (r != CUDA_SUCCESS)
-                die("launch -> %s (%d)", errname(r), (int)r);
-            CK(cu.cuEventRecord(ev[k % opt.depth], s));
-        }
-        CK(cu.cuStreamSynchronize(s));
+        serve_request(s, ev);
         lat[n++] = now_ns() - arrive;
         busy += (uint64_t)opt.burst * kernel_ns;
     }
@@ -780,10 +812,11 @@ static int cmd_serve(void)
     if (raw)
         memcpy(raw, lat, n * sizeof(uint64_t));
     qsort(lat, n, sizeof(uint64_t), cmp_u64);
+    uint64_t top = n ? lat[n - 1] : 0, bottom = n ? lat[0] : 0;
     printf("requests=%zu late=%zu p50_us=%" PRIu64 " p90_us=%" PRIu64 " p99_us=%" PRIu64 " max_us=%" PRIu64
            " min_us=%" PRIu64 " kernel_us=%ld burst=%ld period_ms=%g busy_ns=%" PRIu64 " wall_ns=%" PRIu64 "\n",
-           n, late, pct(lat, n, 50) / 1000, pct(lat, n, 90) / 1000, pct(lat, n, 99) / 1000, lat[n - 1] / 1000,
-           lat[0] / 1000, opt.kernel_us, opt.burst, opt.period_ms, busy, wall);
+           n, late, n ? pct(lat, n, 50) / 1000 : 0, n ? pct(lat, n, 90) / 1000 : 0, n ? pct(lat, n, 99) / 1000 : 0,
+           top / 1000, bottom / 1000, opt.kernel_us, opt.burst, opt.period_ms, busy, wall);
     for (size_t i = 0; raw && i < n; i++)
         printf("lat_us=%" PRIu64 "\n", raw[i] / 1000);
     free(raw);
