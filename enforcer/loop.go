@@ -212,6 +212,7 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 			onGPU++
 		}
 	}
+	missed := false
 	for _, in := range e.list {
 		var v uint32
 		self := 0
@@ -247,12 +248,15 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 		} else if idle {
 			wake = region.WakeIdle
 		}
-		if in.reg.L().Wake.Load() != wake {
+		if old := in.reg.L().Wake.Load(); old != wake {
 			e.setWakeLocked(in, wake)
+			missed = missed || e.missedWakeLocked(in, old, wake)
 		}
 		in.reg.L().HeartbeatNs.Store(uint64(now)) //nolint:gosec // monotonic, positive
 	}
 	switch {
+	case missed:
+		return 0, true
 	case active:
 		// At the arbiter's next decision, within the bounds. A revoked
 		// holder's tail reported drained clears the new holder's

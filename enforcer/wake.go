@@ -2,10 +2,13 @@ package enforcer
 
 import (
 	"errors"
+	mathbits "math/bits"
 	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mgpu-dev/mgpu/enforcer/region"
 )
 
 // The wake path (mgpu_region.h, MGPU_ATTACH_FLAG_WAKE): an online instance
@@ -98,6 +101,32 @@ func (e *Enforcer) setWakeLocked(in *instance, word uint32) {
 		ev := unix.EpollEvent{Events: wakeEvents(word), Fd: int32(in.wakeRecv)} //nolint:gosec // fds fit in int32
 		_ = unix.EpollCtl(e.epfd, unix.EPOLL_CTL_MOD, in.wakeRecv, &ev)
 	}
+}
+
+// missedWakeLocked reports whether instance in, whose wake word this tick
+// changed from old to word, already did what the word asks to hear of:
+// got work (region.WakeBusy) or went quiet (region.WakeIdle) since its
+// slots were read at the start of the tick. Its processes read the word
+// after they store queued_ns or waiting, and the word is written before
+// this reads them (all sequentially consistent), so a change is either
+// sent on the socket or seen here; the loop then ticks again at once
+// instead of at its next decision, up to maxActiveTick later.
+func (e *Enforcer) missedWakeLocked(in *instance, old, word uint32) bool {
+	busy := word&region.WakeBusy != 0 && old&region.WakeBusy == 0
+	idle := word&region.WakeIdle != 0 && old&region.WakeIdle == 0
+	if !busy && !idle {
+		return false
+	}
+	work := false
+	for w, bits := range in.used {
+		for bits != 0 {
+			b := mathbits.TrailingZeros64(bits)
+			bits &= bits - 1
+			p := in.reg.Proc(w*64 + b)
+			work = work || p.QueuedNs.Load() > 0 || p.Waiting.Load() > 0
+		}
+	}
+	return busy && work || idle && !work
 }
 
 // closeWakeLocked closes instance in's pair (leaving the epoll set first,

@@ -192,3 +192,47 @@ func testFillWords(t *testing.T, sw string, fill uint32) {
 	tick("online works again")
 	check("online works again", region.GrantAll, 0, region.WakeIdle)
 }
+
+// A process reads its wake word after it stores queued_ns or waiting, and
+// the tick writes the word before it looks at them again: a change that
+// fell between the tick's read of the slots and its write of the word (and
+// so was sent to nobody) is seen there, and the loop ticks again at once
+// rather than at its next decision, up to maxActiveTick later, while the
+// offline instance filled beside an online one at work.
+func TestMissedWake(t *testing.T) {
+	env := newEnv(t, withOnlineOffline("2"))
+	e, err := New(env.cfg, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	if _, err := e.Create(classTree(os.Getpid(), 50, 100, "online")); err != nil {
+		t.Fatal(err)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	on := e.list[0]
+	p := on.reg.Proc(0)
+	p.Claim(uint32(os.Getpid()), 1) //nolint:gosec // a pid
+	on.setUsed(0)
+	for _, tc := range []struct {
+		what          string
+		old, word     uint32
+		queued, waits uint64
+		want          bool
+	}{
+		{"asked to report work, it has work", 0, region.WakeBusy, 200_000, 0, true},
+		{"asked to report work, a thread waits", 0, region.WakeBusy, 0, 1, true},
+		{"asked to report work, it has none", 0, region.WakeBusy, 0, 0, false},
+		{"asked to report going quiet, it is quiet", 0, region.WakeIdle, 0, 0, true},
+		{"asked to report going quiet, it works", 0, region.WakeIdle, 200_000, 0, false},
+		{"already asked", region.WakeBusy, region.WakeBusy, 200_000, 0, false},
+		{"asked nothing", region.WakeBusy, 0, 200_000, 0, false},
+	} {
+		p.QueuedNs.Store(tc.queued)
+		p.Waiting.Store(uint32(tc.waits)) //nolint:gosec // small
+		if got := e.missedWakeLocked(on, tc.old, tc.word); got != tc.want {
+			t.Errorf("%s: missed %v, want %v", tc.what, got, tc.want)
+		}
+	}
+}

@@ -48,7 +48,8 @@
 #define MGPU_TARGET_MARK_NS 375000u  /* GPU time between marks */
 #define MGPU_MAX_PER_MARK 4096u
 #define MGPU_MAX_STREAMS 4096u
-#define MGPU_WAIT_SLICE_NS 1000000   /* futex timeout while waiting for a grant */
+#define MGPU_WAIT_SLICE_NS 1000000   /* futex timeout while waiting for a grant, the queue draining */
+#define MGPU_WAIT_IDLE_NS 50000000   /* the same once it has drained (the grant's FUTEX_WAKE ends it) */
 #define MGPU_CLEAN_MIN 4             /* clean samples before clean_ns is trusted */
 #define MGPU_CONTIG_GAP_MAX_NS 1000000u /* longest gap a clean contiguous batch covers (batch_time) */
 
@@ -370,7 +371,11 @@ static void set_queued(struct sstate *ss, uint64_t pending)
      * filling the device beside it until it gets work: the enforcer asks
      * (region wake word) to hear of either at once. */
     if ((was == 0) != (*tot == 0)) {
-        uint32_t w = atomic_load_explicit(&d->region->wake, memory_order_relaxed);
+        /* queued_ns before the word, both in one total order with the
+         * enforcer's (it writes the word, then reads queued_ns): either
+         * this sees the word or the enforcer sees the change. */
+        atomic_thread_fence(memory_order_seq_cst);
+        uint32_t w = atomic_load(&d->region->wake);
         if (w & (*tot ? MGPU_WAKE_BUSY : MGPU_WAKE_IDLE))
             mgpu_wake(d);
     }
@@ -798,6 +803,15 @@ static void poll_all(void)
         }
 }
 
+/* Whether any stream has marks outstanding (under mgpu_acct_mu). */
+static int outstanding(void)
+{
+    for (struct sstate *ss = g_streams; ss; ss = ss->next)
+        if (ss->gen == mgpu_generation && ss->count)
+            return 1;
+    return 0;
+}
+
 void mgpu_launch_reset_after_fork(void)
 {
     /* The fork child only (atfork_child, with mgpu_acct_mu fresh): it
@@ -874,16 +888,21 @@ static __attribute__((noinline)) void wait_grant(struct mgpu_dev *d)
         if (ss->dev == d && ss->batch_ref)
             flush_ss(ss);
     pthread_mutex_unlock(&mgpu_acct_mu);
-    atomic_fetch_add(&d->slot->waiting, 1);
-    if (atomic_load_explicit(&d->region->wake, memory_order_relaxed) & MGPU_WAKE_BUSY)
+    atomic_fetch_add(&d->slot->waiting, 1); /* before the word: see set_queued */
+    if (atomic_load(&d->region->wake) & MGPU_WAKE_BUSY)
         mgpu_wake(d); /* an offline instance fills the device: it must stop */
     uint64_t t0 = now_ns();
+    int draining = 1;
     while (atomic_load(&d->region->grant) == 0) {
-        struct timespec ts = {.tv_sec = 0, .tv_nsec = MGPU_WAIT_SLICE_NS};
+        /* Keep gpu_ns / queued_ns current while the queue drains; once
+         * it has, nothing changes until the grant: a revoked process then
+         * stays off the CPU, which the instance that holds the grant
+         * shares with it (1000 wake-ups a second otherwise). */
+        struct timespec ts = {.tv_sec = 0, .tv_nsec = draining ? MGPU_WAIT_SLICE_NS : MGPU_WAIT_IDLE_NS};
         syscall(SYS_futex, &d->region->grant, FUTEX_WAIT, 0, &ts, NULL, 0);
-        /* keep gpu_ns / queued_ns current while the queue drains */
-        if (pthread_mutex_trylock(&mgpu_acct_mu) == 0) {
+        if (draining && pthread_mutex_trylock(&mgpu_acct_mu) == 0) {
             poll_all();
+            draining = outstanding();
             pthread_mutex_unlock(&mgpu_acct_mu);
         }
     }
