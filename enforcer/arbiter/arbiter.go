@@ -268,6 +268,7 @@ type Arbiter struct {
 	fillStart time.Duration
 	fillGrace time.Duration
 	fillOne   bool // Config.FillOneAtATime
+	offWaits  bool // an offline instance had demand at the last Tick (Wake)
 
 	tailFrom int           // index of the last revoked holder, -1 none
 	tailEnd  time.Duration // when its tail is estimated to end
@@ -579,6 +580,7 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 			a.inst[f].st.Grants++
 		}
 	}
+	a.offWaits = a.offlineWaits()
 	a.out = a.out[:0]
 	if next >= 0 {
 		a.out = append(a.out, a.inst[next].id)
@@ -676,7 +678,7 @@ func (a *Arbiter) Wake(id int) (busy, idle bool) {
 	if a.fill >= 0 {
 		return true, false
 	}
-	return false, a.inst[i].quietFrom == Never && a.offlineWaits()
+	return false, a.inst[i].quietFrom == Never && a.offWaits
 }
 
 // OneAtATime reports whether instance id holds its grant only to keep one
@@ -816,14 +818,15 @@ func (a *Arbiter) cap(in *instance) float64 {
 	return max(in.weight/100*a.period, float64(a.quantum), 3*a.kernel(in))
 }
 
-// canHold reports whether holder i may keep the grant. A holder that ran dry
-// keeps it only while nobody else can take it (keeping costs nothing).
+// canHold reports whether holder i (an online instance: an offline one only
+// ever fills) may keep the grant. A holder that ran dry keeps it only while
+// nobody else can take it (keeping costs nothing).
 func (a *Arbiter) canHold(i int, contested bool) bool {
 	in := &a.inst[i]
 	if contested && !in.demand {
 		return false
 	}
-	return !a.fixed || in.offline || in.credit > 0
+	return !a.fixed || in.credit > 0
 }
 
 // canEnter reports whether non-holder i may be granted: it waits for a
@@ -1338,11 +1341,12 @@ func (a *Arbiter) after(t float64) time.Duration {
 	return a.last + time.Duration(math.Ceil(max(t, 0))) + 1
 }
 
-// enterAfter is how long (ns) non-holder in must keep earning, at its
-// fixed-share rate, to reach its entry threshold (0: it may enter now);
-// burst candidates may always enter.
+// enterAfter is how long (ns) online non-holder in must keep earning, at
+// its fixed-share rate, to reach its entry threshold (0: it may enter now);
+// burst candidates may always enter. Offline instances never enter: they
+// fill (chooseFill).
 func (a *Arbiter) enterAfter(in *instance) float64 {
-	if !a.fixed || in.offline {
+	if !a.fixed {
 		return 0
 	}
 	thr := min(a.hysteresis(in, in), a.cap(in)/2)
