@@ -46,7 +46,7 @@ type bench struct {
 	hookN  int
 	models []string // device models of the share section
 	// serveSecs is how long the priority section serves requests on each
-	// side (alone, beside the offline instance), in b.rounds rounds.
+	// side (alone, beside the offline instance), in turns of priorityTurn.
 	serveSecs float64
 }
 
@@ -64,7 +64,7 @@ func main() {
 	hookN := flag.Int("hook-containers", 20, "containers per variant (with and without the hooks) and engine in the hook section")
 	rounds := flag.Int("rounds", 5, "interleaved rounds per side-by-side measurement")
 	win := flag.Duration("window", 4*time.Second, "measurement window of each share case")
-	serve := flag.Duration("serve", 20*time.Second, "time the priority section serves requests on each side (alone, beside the offline instance), split into -rounds rounds")
+	serve := flag.Duration("serve", 20*time.Second, "time the priority section serves requests on each side (alone, beside the offline instance), in turns of 1s")
 	models := flag.String("models", strings.Join(benchModels, ","), "comma-separated simulated device models of the share and priority sections (slice, timer:1ms, timer:2ms, kernel)")
 	flag.Parse()
 	if *serve < time.Second {
@@ -662,17 +662,15 @@ func (b *bench) hookCost() error {
 // serving requests (a burst of 10 kernels of 200 µs every 5 ms: 40 % of
 // the device) alone, and beside a saturating offline instance (kernels of
 // 200 µs), on a device of fixed-share with online_offline_switch 1 and 2,
-// under each device model. The two alternate, b.rounds rounds each, in one
-// node, and every request of a side is pooled (b.serveSecs of requests a
-// side: 4,000 at the default 20 s), so that what loads the machine
-// meanwhile weighs on both alike. A stall of the host (this 2-core VM
-// stalls a process for 10-20 ms now and then, about once in 10 s) makes
-// 5 to 10 requests late in a row; in 4,000 requests a p99 is the 40th
-// slowest, above a few such runs, where in the 1,600 of 8 s it was decided
-// by one of them. It reports the online request latency's p50, p90 and p99 on
-// both sides and their ratios, the offline instance's part of the device
-// time the online one leaves idle, and the device's busy time (both over
-// the rounds beside).
+// under each device model. One server runs throughout and the offline
+// instance is started and killed every second beside it, b.serveSecs a
+// side (about 3,800 requests each at the default 20 s); each request
+// counts on the side its arrival falls in, so that the machine's slow
+// spells, which last seconds and make several requests in a row late,
+// weigh on both sides alike. It reports the online request latency's p50,
+// p90 and p99 on both sides and their ratios, the offline instance's part
+// of the device time the online one leaves idle, and the device's busy
+// time (both over the turns beside).
 func (b *bench) priority() error {
 	// online_offline_switch 1 (offline instances keep their queue bound)
 	// and 2 (latency first: one offline kernel in flight beside an online
@@ -738,7 +736,7 @@ func (b *bench) priorityCase(n *harness.Node) (priorityResult, error) {
 	// long) fall on both sides alike.
 	turns := max(1, int(math.Ceil(b.serveSecs/priorityTurn.Seconds())))
 	limit := float64(turns)*2*(priorityTurn.Seconds()+3) + 10 // a bound only: SIGTERM ends it
-	srv, err := n.Start(harness.RunSpec{Device: 0, Core: 100, MemoryMiB: 1024, Class: "online",
+	srv, err := n.Start(harness.RunSpec{Device: 0, Core: 60, MemoryMiB: 1024, Class: "online",
 		Args: []string{"serve", "--kernel-us", "200", "--burst", "10", "--period-ms", strconv.Itoa(priorityPeriodMs),
 			"--seconds", strconv.FormatFloat(limit, 'f', 0, 64), "--raw"}})
 	if err != nil {
