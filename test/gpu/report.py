@@ -3,6 +3,8 @@
     report.py stats SOCKET              one snapshot of the enforcer's GET /v1/stats
     report.py case DIR ALONE SPEC...    the rows of one share case
     report.py timeline FILE ALONE       a matmul's progress lines as % of ALONE
+    report.py priority DIR LABEL        one online/offline case: the request server's
+                                        latency alone and beside the offline instance
 
 A snapshot is one JSON line: {"t": monotonic seconds, "instances": [...]}.
 A case directory holds out.<i> (torchload.py matmul output), stats0 and stats1
@@ -128,6 +130,67 @@ def timeline(path, alone):
     print(" ".join(f"{t:.1f}s:{p:.0f}%" for t, p in pts))
 
 
+def priority(d, label):
+    """DIR holds serve (torchload.py serve), turns (`alone|beside FROM TO`
+    lines, CLOCK_MONOTONIC seconds) and stats0.K / stats1.K (snapshots
+    inside beside turn K). A request counts on the side its arrival falls
+    in: 20 ms after a turn's start (an offline process just killed may
+    still have work on the GPU) to 30 ms before its end (a later one may
+    run into the next turn). Shares are what the shim measured (gpu_ns)."""
+    o = kv(f"{d}/serve")
+    t0 = float(o.get("mono", "nan"))
+    lat = []
+    try:
+        with open(f"{d}/serve", errors="replace") as f:
+            lat = [int(m.group(1)) / 1000 for m in re.finditer(r"^lat_us=(\d+)$", f.read(), re.M)]
+    except OSError:
+        pass
+    turns = []
+    try:
+        with open(f"{d}/turns") as f:
+            turns = [(w[0], float(w[1]), float(w[2])) for w in (line.split() for line in f) if len(w) == 3]
+    except OSError:
+        pass
+    period = float(o.get("period_ms", 5)) / 1000
+    side = {"alone": [], "beside": []}
+    for i, v in enumerate(lat):
+        at = t0 + i * period
+        for kind, a, b in turns:
+            if a + 0.02 <= at < b - 0.03:
+                side[kind].append(v)
+                break
+    on = off = 0.0
+    k = 0
+    while True:
+        s0, s1 = load(f"{d}/stats0.{k}"), load(f"{d}/stats1.{k}")
+        if s0 is None and s1 is None:
+            break
+        k += 1
+        if not s0 or not s1 or s1["t"] <= s0["t"]:
+            continue
+        g0 = {i["name"]: i for i in s0["instances"]}
+        for inst in s1["instances"]:
+            if inst["name"] in g0:
+                share = (inst["gpu_ns"] - g0[inst["name"]]["gpu_ns"]) / 1e9 / (s1["t"] - s0["t"])
+                if inst["core"] == 100:
+                    off += share
+                else:
+                    on += share
+    n = max(1, sum(1 for kind, _, _ in turns if kind == "beside"))
+    on, off = 100 * on / n, 100 * off / n
+
+    def pct(v, p):
+        v = sorted(v)
+        return v[min(len(v), max(1, -(-len(v) * p // 100))) - 1] if v else float("nan")
+
+    a, b = side["alone"], side["beside"]
+    row = " ".join(f"p{p} {pct(a, p):.2f} / {pct(b, p):.2f}" for p in (50, 90, 99))
+    ratio = pct(b, 99) / pct(a, 99) if a and b else float("nan")
+    idle = 100 * off / (100 - on) if on < 100 else float("nan")
+    print(f"{label:<10} requests {len(a)} / {len(b)}  {row} ms  p99 ratio {ratio:.2f}  "
+          f"online {on:.1f} %  offline {off:.1f} % ({idle:.1f} % of the idle time)  busy {on + off:.1f} %")
+
+
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "stats":
@@ -136,6 +199,8 @@ def main():
         case(args[0], args[1], args[2:])
     elif cmd == "timeline":
         timeline(args[0], args[1])
+    elif cmd == "priority":
+        priority(args[0], args[1])
     else:
         sys.exit(f"report.py: unknown command {cmd}")
 

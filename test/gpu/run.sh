@@ -22,6 +22,13 @@
 #             kills over quota + memory_allowance_mib (512, then 1024): what
 #             NVML charges its process beyond what the shim counts
 #   launch    host time per tiny kernel launch, alone and under the shim
+#   priority  online/offline co-location, online_offline_switch 1 and 2: a
+#             torch request server (online, fixed-share core 60, 10 products
+#             of n = 4096 every 5 ms) runs throughout; a saturating offline
+#             matmul loop is started and killed every second beside it; the
+#             server's latency p50/p90/p99 alone and beside (each request on
+#             the side it arrived in, 2 x --seconds turns a side), and the
+#             offline instance's part of the idle time
 #             (--cases fixed-30-70,...: only those share cases; the labels are
 #             the first column of the table)
 # Workloads measure the same window: they warm up, then start together.
@@ -33,7 +40,7 @@ set -uo pipefail
 SECS=10
 DEVICE=0
 OUTDIR=
-ONLY=smoke,shares,memory,backstop,allowance,launch
+ONLY=smoke,shares,memory,backstop,allowance,launch,priority
 CASES=
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -119,6 +126,12 @@ mrun() { # seconds core memory cmd...: mgpu-cli run with the shim, under a timeo
   timeout -k 5 "$t" env MGPU_CONFIG="$work/config.toml" "$cli" run --device "$DEVICE" --core "$core" \
     --memory "$mem" --shim "$shim" -- "$@"
 }
+mrunc() { # class seconds core memory cmd...: mrun with --class; run with & its pid is timeout's
+  local c=$1 t=$2 core=$3 mem=$4; shift 4
+  exec timeout -k 5 "$t" env MGPU_CONFIG="$work/config.toml" "$cli" run --device "$DEVICE" --core "$core" \
+    --memory "$mem" --class "$c" --shim "$shim" -- "$@"
+}
+mono() { python3 -c 'import time; print(f"{time.monotonic():.6f}")'; }
 # await PIDS -- TEST...: polls TEST every 50 ms, at most 120 s, while every
 # process of PIDS (space-separated) runs; succeeds once TEST does.
 await() {
@@ -307,5 +320,58 @@ if has launch; then
     stop_enforcer
   fi
 fi
+# ---- priority
+# priority_case SWITCH: the request server throughout, the offline loop in
+# and out every second (the turns are recorded in CLOCK_MONOTONIC seconds,
+# the server's clock), two shim snapshots inside each turn beside.
+priority_case() {
+  local sw=$1 k
+  local d=$work/priority/switch$sw turns=$((2 * SECS))
+  mkdir -p "$d"
+  : >"$d/turns"
+  start_enforcer fixed-share "online_offline_switch = $sw" || return
+  mrunc online $((turns * 10 + 120)) 60 16384 python3 "$here/torchload.py" serve \
+    --seconds $((turns * 10 + 60)) >"$d/serve" 2>&1 &
+  local srv=$!
+  if ! await "$srv" -- grep -q '^start ' "$d/serve"; then
+    say "  switch $sw: the server did not start: $(tail -n 3 "$d/serve" | tr '\n' ' ')"
+    stop_enforcer
+    return
+  fi
+  for ((k = 0; k < turns; k++)); do
+    local a0 b0 b1 off
+    a0=$(mono)
+    sleep 1
+    echo "alone $a0 $(mono)" >>"$d/turns"
+    mrunc offline 300 100 16384 python3 "$here/torchload.py" matmul --seconds 240 \
+      --ready "$d/ready.$k" >"$d/offline.$k" 2>&1 &
+    off=$!
+    if ! await "$off" -- test -e "$d/ready.$k"; then
+      say "  switch $sw: the offline loop did not start: $(tail -n 3 "$d/offline.$k" | tr '\n' ' ')"
+      kill "$off" 2>/dev/null
+      wait "$off" 2>/dev/null
+      break
+    fi
+    snap "$d/stats0.$k"
+    b0=$(mono)
+    sleep 1
+    b1=$(mono)
+    snap "$d/stats1.$k"
+    kill "$off" 2>/dev/null # timeout passes SIGTERM to mgpu-cli, which passes it on
+    wait "$off" 2>/dev/null
+    echo "beside $b0 $b1" >>"$d/turns"
+  done
+  kill "$srv" 2>/dev/null # the server reports what it served
+  wait "$srv" 2>/dev/null
+  stop_enforcer
+  python3 "$here/report.py" priority "$d" "switch $sw" 2>&1 | tee -a "$summary"
+}
+
+if has priority; then
+  say "== priority: a request server (online, fixed-share 60) alone and beside a saturating offline loop"
+  priority_case 1
+  priority_case 2
+fi
+
 say "== enforcer log: $(grep -ciE 'level=(WARN|ERROR)' "$work/enforcer.log") warnings/errors"
 grep -E 'level=(WARN|ERROR)' "$work/enforcer.log" | grep -v backstop | cut -c1-300 | head -8 | tee -a "$summary"

@@ -3,6 +3,7 @@
     torchload.py matmul [--n 4096] [--seconds 10] [--ready F --go F] [--idle]
     torchload.py alloc --mib N [--hold S]
     torchload.py launches [--n 20000]
+    torchload.py serve [--n 4096] [--burst 10] [--period-ms 5] [--seconds 60]
 
 matmul: multiplies two n x n fp16 matrices in batches of 8 (one
 synchronisation per batch), prints `progress t= rate=` about every 0.5 s and
@@ -19,10 +20,20 @@ alloc: one allocation of N MiB with torch.empty; prints `alloc=ok` or
 launches: n tiny kernels (x.add_(1)) in a row; prints `us_per_launch=`
 (host time per launch, which the shim's launch path is part of).
 
+serve: an inference server's shape. Requests arrive every --period-ms
+(open loop: on schedule whether or not the previous one is done); each is
+--burst n x n fp16 products and one synchronisation. Three unmeasured
+requests warm it up; then it prints `start mono=` (CLOCK_MONOTONIC seconds:
+request i arrives at mono + i x period), serves until --seconds pass or
+SIGTERM/SIGINT arrives (the request in progress completes), and prints
+`requests= p50_us= p90_us= p99_us=` and one `lat_us=` line per request in
+arrival order (its latency from its scheduled arrival to its completion).
+
 Every line is `key=value ...`; nothing here knows about mgpu.
 """
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -111,6 +122,46 @@ def launches(a):
     print(f"us_per_launch={1e6 * dt / a.n:.3f} launches={a.n} value={int(x.item())}", flush=True)
 
 
+def serve(a):
+    import torch
+
+    x = torch.randn(a.n, a.n, device="cuda", dtype=torch.float16)
+    y = torch.randn(a.n, a.n, device="cuda", dtype=torch.float16)
+
+    def request():
+        for _ in range(a.burst):
+            x @ y
+        torch.cuda.synchronize()
+
+    for _ in range(3):
+        request()
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.append(1))
+    period = a.period_ms / 1000
+    t0 = time.monotonic()
+    print(f"start mono={t0:.6f} period_ms={a.period_ms} pid={os.getpid()}", flush=True)
+    lat = []
+    while not stop:
+        arrive = t0 + len(lat) * period
+        if arrive >= t0 + a.seconds:
+            break
+        now = time.monotonic()
+        if now < arrive:
+            time.sleep(arrive - now)
+            if stop:
+                break
+        request()
+        lat.append(time.monotonic() - arrive)
+    s = sorted(lat)
+
+    def pct(p):
+        return int(1e6 * s[min(len(s), max(1, -(-len(s) * p // 100))) - 1]) if s else 0
+
+    print(f"requests={len(lat)} p50_us={pct(50)} p90_us={pct(90)} p99_us={pct(99)}", flush=True)
+    print("\n".join(f"lat_us={int(1e6 * v)}" for v in lat), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -125,8 +176,13 @@ def main():
     al.add_argument("--hold", type=float, default=0)
     la = sub.add_parser("launches")
     la.add_argument("--n", type=int, default=20000)
+    sv = sub.add_parser("serve")
+    sv.add_argument("--n", type=int, default=4096)
+    sv.add_argument("--burst", type=int, default=10)
+    sv.add_argument("--period-ms", type=float, default=5)
+    sv.add_argument("--seconds", type=float, default=60)
     a = p.parse_args()
-    {"matmul": matmul, "alloc": alloc, "launches": launches}[a.cmd](a)
+    {"matmul": matmul, "alloc": alloc, "launches": launches, "serve": serve}[a.cmd](a)
 
 
 if __name__ == "__main__":
