@@ -126,7 +126,7 @@ mrun() { # seconds core memory cmd...: mgpu-cli run with the shim, under a timeo
   timeout -k 5 "$t" env MGPU_CONFIG="$work/config.toml" "$cli" run --device "$DEVICE" --core "$core" \
     --memory "$mem" --shim "$shim" -- "$@"
 }
-mrunc() { # class seconds core memory cmd...: mrun with --class; run with & its pid is timeout's
+mrunc() { # class seconds core memory cmd...: mrun with --class, always with & (it execs: $! is timeout's pid)
   local c=$1 t=$2 core=$3 mem=$4; shift 4
   exec timeout -k 5 "$t" env MGPU_CONFIG="$work/config.toml" "$cli" run --device "$DEVICE" --core "$core" \
     --memory "$mem" --class "$c" --shim "$shim" -- "$@"
