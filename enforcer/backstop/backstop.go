@@ -33,7 +33,7 @@ type Kind string
 // The kinds of violation.
 const (
 	// KindMemory: the instance's processes hold more device memory than
-	// its quota plus the per-process allowance.
+	// its limit (Watcher's rule: quota + allowance × min(processes, cap)).
 	KindMemory Kind = "memory"
 	// KindCompute: over the window, the instance's processes were busy on
 	// the device longer than the enforcer accounted for it, by more than
@@ -69,9 +69,13 @@ func ParseAction(s string) (Action, error) {
 
 // Defaults of the options.
 const (
-	DefaultWindow             = time.Second
-	DefaultTolerancePercent   = 10
-	DefaultMemoryAllowance    = 0
+	DefaultWindow           = time.Second
+	DefaultTolerancePercent = 10
+	DefaultMemoryAllowance  = 0
+	// DefaultAllowanceProcesses is the most processes of one instance
+	// the memory allowance counts for: an instance's slack over its quota
+	// is at most this many allowances, however many processes it runs.
+	DefaultAllowanceProcesses = 4
 	DefaultMemoryAction       = ActionKill
 	DefaultComputeAction      = ActionLog
 	DefaultUnattributedAction = ActionLog
@@ -99,7 +103,13 @@ type Evidence struct {
 	// Memory (KindMemory; UsedMemory also for KindUnattributed).
 	UsedMemory  uint64 // bytes the driver charges to the processes
 	MemoryQuota uint64 // the instance's quota, bytes
-	MemoryLimit uint64 // quota + allowance per process, bytes
+	MemoryLimit uint64 // MemoryQuota + Allowance × min(Processes, AllowanceCap), bytes
+	Allowance   uint64 // the allowance per process, bytes
+	// AllowanceCap is the most processes the allowance counts for.
+	AllowanceCap int
+	// Processes is how many of the instance's processes the driver
+	// charges memory to.
+	Processes int
 
 	// Compute (KindCompute; DriverTime also for KindUnattributed, over
 	// the last interval).
@@ -148,8 +158,12 @@ func (v Violation) String() string {
 	e := v.Evidence
 	switch v.Kind {
 	case KindMemory:
-		return fmt.Sprintf("instance %q: processes %v hold %d bytes of device memory, over its limit of %d (quota %d + allowance per process)",
-			v.Instance, v.PIDs, e.UsedMemory, e.MemoryLimit, e.MemoryQuota)
+		slack := fmt.Sprintf("allowance %d × %d processes", e.Allowance, e.Processes)
+		if e.Processes > e.AllowanceCap {
+			slack = fmt.Sprintf("allowance %d × %d: it counts for at most %d of the instance's %d processes", e.Allowance, e.AllowanceCap, e.AllowanceCap, e.Processes)
+		}
+		return fmt.Sprintf("instance %q: processes %v hold %d bytes of device memory, over its limit of %d (quota %d + %s)",
+			v.Instance, v.PIDs, e.UsedMemory, e.MemoryLimit, e.MemoryQuota, slack)
 	case KindCompute:
 		return fmt.Sprintf("instance %q: processes %v were busy %v on the device over %v, %v accounted (tolerance %v)",
 			v.Instance, v.PIDs, e.DriverTime, e.Window, e.AccountedTime, e.Tolerance)
@@ -173,6 +187,7 @@ type options struct {
 	window    time.Duration
 	tolerance int
 	allowance uint64
+	allowCap  int
 	actions   map[Kind]Action
 	killer    Killer
 	procs     Procs
@@ -193,8 +208,14 @@ func WithComputeTolerance(percent int) Option { return func(o *options) { o.tole
 
 // WithMemoryAllowance sets the bytes allowed per process on top of the
 // quota (default 0): real drivers charge every context some hundred MiB of
-// their own.
+// their own, which the shim does not count.
 func WithMemoryAllowance(bytes uint64) Option { return func(o *options) { o.allowance = bytes } }
+
+// WithAllowanceProcesses sets the most processes of one instance the
+// memory allowance counts for (default DefaultAllowanceProcesses, at least
+// 1): the instance's limit is quota + allowance × min(processes, n), so its
+// slack over the quota does not grow with the processes it starts.
+func WithAllowanceProcesses(n int) Option { return func(o *options) { o.allowCap = n } }
 
 // WithAction sets the action for a kind (defaults: DefaultMemoryAction,
 // DefaultComputeAction, DefaultUnattributedAction).
@@ -252,6 +273,7 @@ func New(src Source, opts ...Option) (*Watcher, error) {
 		window:    DefaultWindow,
 		tolerance: DefaultTolerancePercent,
 		allowance: DefaultMemoryAllowance,
+		allowCap:  DefaultAllowanceProcesses,
 		actions: map[Kind]Action{
 			KindMemory:       DefaultMemoryAction,
 			KindCompute:      DefaultComputeAction,
@@ -266,6 +288,9 @@ func New(src Source, opts ...Option) (*Watcher, error) {
 	}
 	if o.window <= 0 {
 		return nil, fmt.Errorf("backstop: window %v: must be positive", o.window)
+	}
+	if o.allowCap < 1 {
+		return nil, fmt.Errorf("backstop: allowance processes %d: must be at least 1", o.allowCap)
 	}
 	if o.tolerance < 0 || o.tolerance > 100 {
 		return nil, fmt.Errorf("backstop: compute tolerance %d%%: must be 0..100", o.tolerance)
@@ -398,12 +423,13 @@ func (w *Watcher) memory(procs []Process, look func(int) *pidState, belongs func
 	var out []Violation
 	for name, u := range per {
 		in := byName[name]
-		limit := satAdd(in.MemoryQuota, satMul(w.o.allowance, uint64(len(u.procs))))
+		limit := w.memoryLimit(in.MemoryQuota, len(u.procs))
 		if u.used <= limit {
 			continue
 		}
 		v := Violation{Kind: KindMemory, Instance: name, Action: w.o.actions[KindMemory],
-			Evidence: Evidence{UsedMemory: u.used, MemoryQuota: in.MemoryQuota, MemoryLimit: limit}}
+			Evidence: Evidence{UsedMemory: u.used, MemoryQuota: in.MemoryQuota, MemoryLimit: limit,
+				Allowance: w.o.allowance, AllowanceCap: w.o.allowCap, Processes: len(u.procs)}}
 		for _, p := range u.procs {
 			v.PIDs = append(v.PIDs, p.PID)
 		}
@@ -411,6 +437,15 @@ func (w *Watcher) memory(procs []Process, look func(int) *pidState, belongs func
 		out = append(out, v)
 	}
 	return out
+}
+
+// memoryLimit is the most device memory an instance with quota and n
+// processes may hold: the quota, plus the allowance for each process (the
+// driver's own memory of its context, which the shim does not count) up to
+// the cap. Past the cap, more processes add nothing, so the slack of
+// processes that skip the shim is bounded per instance.
+func (w *Watcher) memoryLimit(quota uint64, n int) uint64 {
+	return satAdd(quota, satMul(w.o.allowance, uint64(min(n, w.o.allowCap)))) //nolint:gosec // min(n, cap) ≥ 0
 }
 
 func (w *Watcher) compute(now time.Duration, busy map[int]time.Duration, look func(int) *pidState, instances []Instance) []Violation {
@@ -553,8 +588,9 @@ func (w *Watcher) act(now time.Duration, v *Violation, alive map[int]*pidState) 
 }
 
 // targets are the processes of v to kill, each once. Memory: the largest
-// first, until what the others hold is within the limit (processes killed
-// before count as gone). Compute and unattributed: all of them.
+// first, until what the others hold is within the limit of the others
+// (processes killed before count as gone). Compute and unattributed: all of
+// them.
 func (w *Watcher) targets(v *Violation, alive map[int]*pidState) []Target {
 	var out []Target
 	if v.Kind != KindMemory {
@@ -577,13 +613,15 @@ func (w *Watcher) targets(v *Violation, alive map[int]*pidState) []Target {
 		}
 	}
 	slices.SortStableFunc(cand, func(a, b int) int { return cmp.Compare(alive[b].mem, alive[a].mem) })
+	left := len(cand)
 	for _, pid := range cand {
-		if rest <= v.Evidence.MemoryLimit {
+		if rest <= w.memoryLimit(v.Evidence.MemoryQuota, left) {
 			break
 		}
 		ps := alive[pid]
 		out = append(out, Target{PID: pid, StartTime: ps.start})
 		rest -= min(rest, ps.mem)
+		left--
 	}
 	return out
 }

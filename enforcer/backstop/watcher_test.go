@@ -16,6 +16,7 @@ func TestMemory(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
 		allowance uint64
+		allowCap  int // 0: the default
 		procs     []Process
 		dead      []int // listed by the driver, exited
 		want      bool
@@ -28,13 +29,19 @@ func TestMemory(t *testing.T) {
 		{name: "sum over processes", procs: []Process{{PID: 10, UsedMemory: 600 * mib}, {PID: 11, UsedMemory: 600 * mib}}, want: true, used: 1200 * mib, limit: 1024 * mib},
 		{name: "allowance per process covers it", allowance: 100 * mib, procs: []Process{{PID: 10, UsedMemory: 600 * mib}, {PID: 11, UsedMemory: 600 * mib}}},
 		{name: "allowance exceeded", allowance: 50 * mib, procs: []Process{{PID: 10, UsedMemory: 600 * mib}, {PID: 11, UsedMemory: 600 * mib}}, want: true, used: 1200 * mib, limit: 1124 * mib},
+		{name: "allowance counted for at most the cap", allowance: 100 * mib, allowCap: 1, procs: []Process{{PID: 10, UsedMemory: 600 * mib}, {PID: 11, UsedMemory: 600 * mib}}, want: true, used: 1200 * mib, limit: 1124 * mib},
+		{name: "allowance within the cap", allowance: 100 * mib, allowCap: 2, procs: []Process{{PID: 10, UsedMemory: 600 * mib}, {PID: 11, UsedMemory: 600 * mib}}},
 		{name: "other instance not counted", procs: []Process{{PID: 10, UsedMemory: 1000 * mib}, {PID: 20, UsedMemory: 1000 * mib}}},
 		{name: "unknown memory not counted", procs: []Process{{PID: 10, UsedMemory: 1000 * mib}, {PID: 11, MemoryUnknown: true}}},
 		{name: "dead pid not counted", procs: []Process{{PID: 10, UsedMemory: 1000 * mib}, {PID: 12, UsedMemory: 1000 * mib}}, dead: []int{12}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			r := newRig(t, WithMemoryAllowance(tc.allowance), WithAction(KindMemory, ActionLog))
+			opts := []Option{WithMemoryAllowance(tc.allowance), WithAction(KindMemory, ActionLog)}
+			if tc.allowCap > 0 {
+				opts = append(opts, WithAllowanceProcesses(tc.allowCap))
+			}
+			r := newRig(t, opts...)
 			r.proc(10, "a")
 			r.proc(11, "a")
 			r.proc(12, "a")
@@ -113,6 +120,79 @@ func TestMemoryKillLargestFirstOnce(t *testing.T) {
 	want := []Count{{Kind: KindMemory, Instance: "a", Episodes: 2, Kills: 2}}
 	if got := r.w.Counts(); !slices.Equal(got, want) {
 		t.Errorf("counts %+v, want %+v", got, want)
+	}
+}
+
+// TestMemorySlackBoundedPerInstance: processes that skip the shim each hold
+// a context's allowance over their share of the quota. The allowance
+// counts for at most DefaultAllowanceProcesses of them, so 8 such
+// processes are over the limit and the largest are killed until the rest
+// fit; with one allowance per process (the rule before), 8 × the allowance
+// over the quota went unpunished.
+func TestMemorySlackBoundedPerInstance(t *testing.T) {
+	t.Parallel()
+	const allowance, quota, n = 1024 * mib, 1024 * mib, 8
+	r := newRig(t, WithMemoryAllowance(allowance))
+	a := Instance{Name: "a", MemoryQuota: quota}
+	var procs []Process
+	for pid := 10; pid < 10+n; pid++ {
+		r.proc(pid, "a")
+		procs = append(procs, Process{PID: pid, UsedMemory: quota/n + allowance})
+	}
+	r.src.Set(procs, nil)
+	vs := r.check(tick, a)
+	if len(vs) != 1 || vs[0].Kind != KindMemory {
+		t.Fatalf("got %v, want a memory violation: %d processes hold %d MiB over a %d MiB quota",
+			vs, n, n*(quota/n+allowance)/mib, quota/mib)
+	}
+	e := vs[0].Evidence
+	if want := quota + DefaultAllowanceProcesses*allowance; e.MemoryLimit != want || e.UsedMemory != quota+n*allowance ||
+		e.Processes != n || e.AllowanceCap != DefaultAllowanceProcesses || e.Allowance != allowance {
+		t.Errorf("evidence %+v, want limit %d", e, want)
+	}
+	// All equal: the lowest pids first, until the 4 left (4 × 1152 MiB)
+	// are within quota + 4 allowances (5120 MiB).
+	if want := []int{10, 11, 12, 13}; !slices.Equal(vs[0].Killed, want) {
+		t.Errorf("killed %v, want %v", vs[0].Killed, want)
+	}
+	r.src.Set(procs[4:], nil)
+	if vs := r.check(tick, a); len(vs) != 0 {
+		t.Errorf("after the kills: %v", vs)
+	}
+}
+
+// TestMemoryHonestProcessesWithinTheCap: an instance whose processes keep
+// to the quota through the shim, each with a context the driver charges
+// (610 MiB, PyTorch on an H200), is not a violation with as many processes
+// as the capped allowance covers: 6 at 1024 MiB × 4.
+func TestMemoryHonestProcessesWithinTheCap(t *testing.T) {
+	t.Parallel()
+	const allowance, quota, context = 1024 * mib, 4096 * mib, 610 * mib
+	for _, tc := range []struct {
+		name string
+		n    int
+		want bool
+	}{
+		{name: "one process", n: 1},
+		{name: "four processes", n: 4},
+		{name: "six processes", n: 6},
+		{name: "seven processes", n: 7, want: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			r := newRig(t, WithMemoryAllowance(allowance))
+			var procs []Process
+			for i := range tc.n {
+				pid := 10 + i
+				r.proc(pid, "a")
+				procs = append(procs, Process{PID: pid, UsedMemory: context + quota/uint64(tc.n)}) //nolint:gosec // small
+			}
+			r.src.Set(procs, nil)
+			vs := r.check(tick, Instance{Name: "a", MemoryQuota: quota})
+			if got := len(vs) > 0; got != tc.want {
+				t.Fatalf("%d processes holding %d MiB (quota %d MiB): violations %v, want %v", tc.n, (quota+uint64(tc.n)*context)/mib, quota/mib, vs, tc.want) //nolint:gosec // small
+			}
+		})
 	}
 }
 
@@ -529,6 +609,7 @@ func TestNew(t *testing.T) {
 		{"zero window", src, []Option{WithWindow(0)}, "window"},
 		{"negative tolerance", src, []Option{WithComputeTolerance(-1)}, "tolerance"},
 		{"tolerance over 100", src, []Option{WithComputeTolerance(101)}, "tolerance"},
+		{"allowance for no process", src, []Option{WithAllowanceProcesses(0)}, "allowance processes 0: must be at least 1"},
 		{"bad action", src, []Option{WithAction(KindCompute, "ignore")}, `unknown action "ignore"`},
 		{"bad kind", src, []Option{WithAction("cpu", ActionLog)}, `unknown kind "cpu"`},
 		{"defaults", src, nil, ""},
@@ -569,8 +650,10 @@ func TestViolationString(t *testing.T) {
 		v    Violation
 		want string
 	}{
-		{Violation{Kind: KindMemory, Instance: "a", PIDs: []int{1}, Evidence: Evidence{UsedMemory: 3, MemoryLimit: 2, MemoryQuota: 2}},
-			`instance "a": processes [1] hold 3 bytes of device memory, over its limit of 2 (quota 2 + allowance per process)`},
+		{Violation{Kind: KindMemory, Instance: "a", PIDs: []int{1}, Evidence: Evidence{UsedMemory: 3, MemoryLimit: 2, MemoryQuota: 2, AllowanceCap: 4, Processes: 1}},
+			`instance "a": processes [1] hold 3 bytes of device memory, over its limit of 2 (quota 2 + allowance 0 × 1 processes)`},
+		{Violation{Kind: KindMemory, Instance: "a", PIDs: []int{1, 2, 3}, Evidence: Evidence{UsedMemory: 9, MemoryLimit: 8, MemoryQuota: 2, Allowance: 3, AllowanceCap: 2, Processes: 3}},
+			`instance "a": processes [1 2 3] hold 9 bytes of device memory, over its limit of 8 (quota 2 + allowance 3 × 2: it counts for at most 2 of the instance's 3 processes)`},
 		{Violation{Kind: KindCompute, Instance: "a", PIDs: []int{1}, Evidence: Evidence{Window: time.Second, DriverTime: time.Second, Tolerance: 100 * time.Millisecond}},
 			`instance "a": processes [1] were busy 1s on the device over 1s, 0s accounted (tolerance 100ms)`},
 		{Violation{Kind: KindUnattributed, PIDs: []int{7}, Evidence: Evidence{UsedMemory: 5, DriverTime: tick}},

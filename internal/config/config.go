@@ -133,6 +133,10 @@ type BackstopConfig struct {
 	// MemoryAllowanceMiB is the device memory allowed per process beyond
 	// the quota (the driver's own per-context memory), MiB.
 	MemoryAllowanceMiB int64 `toml:"memory_allowance_mib"`
+	// MemoryAllowanceProcesses is the most processes of one instance the
+	// allowance counts for: the instance's limit is quota + allowance ×
+	// min(its processes, this).
+	MemoryAllowanceProcesses int `toml:"memory_allowance_processes"`
 	// MemoryOnViolation, ComputeOnViolation and UnattributedOnViolation
 	// are "log" or "kill".
 	MemoryOnViolation       string `toml:"memory_on_violation"`
@@ -197,13 +201,17 @@ const (
 
 // Limits and defaults of [backstop].
 const (
-	MinBackstopInterval           = 10 * time.Millisecond
-	MaxBackstopInterval           = 10 * time.Second
-	MaxBackstopWindow             = time.Minute
-	MaxMemoryAllowanceMiB   int64 = 65536
-	DefaultBackstopInterval       = 250 * time.Millisecond
-	DefaultBackstopWindow         = time.Second
-	DefaultComputeTolerance       = 10
+	MinBackstopInterval         = 10 * time.Millisecond
+	MaxBackstopInterval         = 10 * time.Second
+	MaxBackstopWindow           = time.Minute
+	MaxMemoryAllowanceMiB int64 = 65536
+	// MaxMemoryAllowanceProcesses is the most processes a region holds
+	// (region.MaxProcs): no more processes of an instance go through the
+	// shim.
+	MaxMemoryAllowanceProcesses = 128
+	DefaultBackstopInterval     = 250 * time.Millisecond
+	DefaultBackstopWindow       = time.Second
+	DefaultComputeTolerance     = 10
 	// DefaultMemoryAllowanceMiB is the allowance on real GPUs (backend
 	// "nvml"): the driver charges every CUDA context memory the shim does
 	// not count. On an H200 (driver 580, CUDA 13, PyTorch 2.11 with cuBLAS
@@ -212,10 +220,15 @@ const (
 	DefaultMemoryAllowanceMiB int64 = 1024
 	// DefaultSimMemoryAllowanceMiB is the allowance on the simulated GPU,
 	// which charges exactly what is allocated.
-	DefaultSimMemoryAllowanceMiB   int64 = 0
-	DefaultMemoryOnViolation             = OnViolationKill
-	DefaultComputeOnViolation            = OnViolationLog
-	DefaultUnattributedOnViolation       = OnViolationLog
+	DefaultSimMemoryAllowanceMiB int64 = 0
+	// DefaultMemoryAllowanceProcesses bounds an instance's slack over its
+	// quota at 4 allowances (4 GiB on real GPUs), however many processes
+	// skip the shim; an honest instance near its quota stays within it up
+	// to 4 × 1024 / 610 = 6 PyTorch processes (docs/backstop.md).
+	DefaultMemoryAllowanceProcesses = 4
+	DefaultMemoryOnViolation        = OnViolationKill
+	DefaultComputeOnViolation       = OnViolationLog
+	DefaultUnattributedOnViolation  = OnViolationLog
 )
 
 // Default returns the configuration used when a key is not set.
@@ -235,14 +248,15 @@ func Default() *Config {
 			MaxInstances:                DefaultMaxInstances,
 		},
 		Backstop: BackstopConfig{
-			Enabled:                 true,
-			Interval:                DefaultBackstopInterval,
-			Window:                  DefaultBackstopWindow,
-			ComputeTolerance:        DefaultComputeTolerance,
-			MemoryAllowanceMiB:      DefaultMemoryAllowanceMiB,
-			MemoryOnViolation:       DefaultMemoryOnViolation,
-			ComputeOnViolation:      DefaultComputeOnViolation,
-			UnattributedOnViolation: DefaultUnattributedOnViolation,
+			Enabled:                  true,
+			Interval:                 DefaultBackstopInterval,
+			Window:                   DefaultBackstopWindow,
+			ComputeTolerance:         DefaultComputeTolerance,
+			MemoryAllowanceMiB:       DefaultMemoryAllowanceMiB,
+			MemoryAllowanceProcesses: DefaultMemoryAllowanceProcesses,
+			MemoryOnViolation:        DefaultMemoryOnViolation,
+			ComputeOnViolation:       DefaultComputeOnViolation,
+			UnattributedOnViolation:  DefaultUnattributedOnViolation,
 		},
 		Metrics: MetricsConfig{Listen: DefaultMetricsListen},
 	}
@@ -578,6 +592,9 @@ func (b BackstopConfig) validate() error {
 	}
 	if b.MemoryAllowanceMiB < 0 || b.MemoryAllowanceMiB > MaxMemoryAllowanceMiB {
 		return &Error{Key: "backstop.memory_allowance_mib", Err: fmt.Errorf("must be 0..%d (MiB per process), got %d", MaxMemoryAllowanceMiB, b.MemoryAllowanceMiB)}
+	}
+	if b.MemoryAllowanceProcesses < 1 || b.MemoryAllowanceProcesses > MaxMemoryAllowanceProcesses {
+		return &Error{Key: "backstop.memory_allowance_processes", Err: fmt.Errorf("must be 1..%d (processes per instance), got %d", MaxMemoryAllowanceProcesses, b.MemoryAllowanceProcesses)}
 	}
 	for _, a := range []struct{ key, val string }{
 		{"memory_on_violation", b.MemoryOnViolation},

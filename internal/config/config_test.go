@@ -77,7 +77,7 @@ func TestBackstop(t *testing.T) {
 	t.Parallel()
 	want := BackstopConfig{
 		Enabled: true, Interval: 250 * time.Millisecond, Window: time.Second, ComputeTolerance: 10,
-		MemoryAllowanceMiB: 1024, MemoryOnViolation: "kill", ComputeOnViolation: "log", UnattributedOnViolation: "log",
+		MemoryAllowanceMiB: 1024, MemoryAllowanceProcesses: 4, MemoryOnViolation: "kill", ComputeOnViolation: "log", UnattributedOnViolation: "log",
 	}
 	if got := Default().Backstop; got != want {
 		t.Errorf("Default: %+v, want %+v", got, want)
@@ -105,10 +105,11 @@ interval = "100ms"
 window = "2.5s"
 compute_tolerance = 0
 memory_allowance_mib = 512
+memory_allowance_processes = 2
 memory_on_violation = "log"
 compute_on_violation = "kill"
 unattributed_on_violation = "kill"
-`, BackstopConfig{Interval: 100 * time.Millisecond, Window: 2500 * time.Millisecond, MemoryAllowanceMiB: 512,
+`, BackstopConfig{Interval: 100 * time.Millisecond, Window: 2500 * time.Millisecond, MemoryAllowanceMiB: 512, MemoryAllowanceProcesses: 2,
 			MemoryOnViolation: "log", ComputeOnViolation: "kill", UnattributedOnViolation: "kill"}},
 		{"some keys", "memory_allowance_mib = 512\n", func() BackstopConfig { b := want; b.MemoryAllowanceMiB = 512; return b }()},
 		{"window equal to interval", "interval = \"1s\"\nwindow = \"1s\"\n", func() BackstopConfig {
@@ -116,11 +117,12 @@ unattributed_on_violation = "kill"
 			b.Interval = time.Second
 			return b
 		}()},
-		{"bounds", "interval = \"10ms\"\nwindow = \"1m\"\ncompute_tolerance = 100\nmemory_allowance_mib = 65536\n", func() BackstopConfig {
+		{"bounds", "interval = \"10ms\"\nwindow = \"1m\"\ncompute_tolerance = 100\nmemory_allowance_mib = 65536\nmemory_allowance_processes = 128\n", func() BackstopConfig {
 			b := want
-			b.Interval, b.Window, b.ComputeTolerance, b.MemoryAllowanceMiB = 10*time.Millisecond, time.Minute, 100, 65536
+			b.Interval, b.Window, b.ComputeTolerance, b.MemoryAllowanceMiB, b.MemoryAllowanceProcesses = 10*time.Millisecond, time.Minute, 100, 65536, 128
 			return b
 		}()},
+		{"allowance once per instance", "memory_allowance_processes = 1\n", func() BackstopConfig { b := want; b.MemoryAllowanceProcesses = 1; return b }()},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -183,6 +185,8 @@ func TestErrors(t *testing.T) {
 		{"fractional tolerance", "version = 1\n[backstop]\ncompute_tolerance = 2.5\n", 3, "backstop.compute_tolerance", "incompatible types"},
 		{"negative allowance", "version = 1\n[backstop]\nmemory_allowance_mib = -1\n", 3, "backstop.memory_allowance_mib", "must be 0..65536"},
 		{"huge allowance", "version = 1\n[backstop]\nmemory_allowance_mib = 65537\n", 3, "backstop.memory_allowance_mib", "must be 0..65536"},
+		{"allowance for no process", "version = 1\n[backstop]\nmemory_allowance_processes = 0\n", 3, "backstop.memory_allowance_processes", "must be 1..128 (processes per instance), got 0"},
+		{"allowance for too many processes", "version = 1\n[backstop]\nmemory_allowance_processes = 129\n", 3, "backstop.memory_allowance_processes", "must be 1..128"},
 		{"bad memory action", "version = 1\n[backstop]\nmemory_on_violation = \"warn\"\n", 3, "backstop.memory_on_violation", `unknown action "warn" (want "log" or "kill")`},
 		{"bad compute action", "version = 1\n[backstop]\ncompute_on_violation = \"Kill\"\n", 3, "backstop.compute_on_violation", `unknown action "Kill"`},
 		{"bad unattributed action", "version = 1\n[backstop]\nunattributed_on_violation = \"\"\n", 3, "backstop.unattributed_on_violation", `unknown action ""`},
