@@ -7,6 +7,8 @@ import (
 	"io"
 	"net"
 	"os"
+	"strconv"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -19,18 +21,32 @@ import (
 // maxAncestors bounds the walk up the process tree.
 const maxAncestors = 1024
 
-// serveAttach accepts attach connections, at most o.maxAttaches at a time.
+// maxSentFDs is the most descriptors read with a request (a client sends
+// one, its own pidfd); more are closed by the kernel (MSG_CTRUNC).
+const maxSentFDs = 4
+
+// attachConn is an accepted attach connection and what was learned of its
+// peer right after the accept.
+type attachConn struct {
+	conn  *net.UnixConn
+	pid   int       // SO_PEERCRED: the process that connected
+	uid   uint32    // its effective uid then
+	pidfd int       // the kernel's pidfd of that process (SO_PEERPIDFD), or -1 on Linux < 6.5
+	info  peerInfo  // what /proc said of pid at the accept
+	ierr  error     // why /proc could not say
+	key   attachKey // whose budget the connection counts against
+}
+
+// serveAttach accepts attach connections. Each is identified at once
+// (identifyConn) and counted against its instance's budget (attachLimiter):
+// a client that floods the socket, stays silent or is slow costs only the
+// budget of its own instance (or unidentified pid namespace or cgroup); the
+// accept loop itself never waits for a client.
 func (e *Enforcer) serveAttach(ctx context.Context) {
-	sem := make(chan struct{}, e.o.maxAttaches)
+	lim := newAttachLimiter(e.o.log, e.handleAttach)
 	for {
-		select {
-		case sem <- struct{}{}:
-		case <-ctx.Done():
-			return
-		}
 		conn, err := e.client.AcceptUnix()
 		if err != nil {
-			<-sem
 			if errors.Is(err, net.ErrClosed) || ctx.Err() != nil {
 				return
 			}
@@ -44,20 +60,67 @@ func (e *Enforcer) serveAttach(ctx context.Context) {
 			}
 			continue
 		}
-		go func() {
-			defer func() { <-sem }()
-			e.handleAttach(conn)
-		}()
+		c, err := e.identifyConn(conn)
+		if err != nil {
+			e.refuseConn(conn, attach.Internal, "mgpu: cannot identify the caller: "+err.Error())
+			continue
+		}
+		if msg, ok := lim.enter(c); !ok {
+			e.refuseConn(conn, attach.Internal, msg)
+			closePidfd(c)
+		}
 	}
 }
 
-// handleAttach serves one attach: read the request (with a deadline), learn
-// the peer from the kernel, answer with its instance's region or a refusal.
-func (e *Enforcer) handleAttach(conn *net.UnixConn) {
+// refuseConn answers a connection that is not served with one refusal
+// (written without waiting: the socket's buffer is empty) and closes it.
+func (e *Enforcer) refuseConn(conn *net.UnixConn, st attach.Status, msg string) {
+	_ = conn.SetWriteDeadline(time.Now().Add(time.Millisecond))
+	_ = e.reply(conn, attach.Response{Status: st, DeviceIndex: uint32(e.index), Message: msg}, nil) //nolint:gosec // small
+	_ = conn.Close()
+}
+
+func closePidfd(c *attachConn) {
+	if c.pidfd >= 0 {
+		_ = unix.Close(c.pidfd)
+		c.pidfd = -1
+	}
+}
+
+// identifyConn learns who connected, from the kernel (SO_PEERCRED and, on
+// Linux >= 6.5, SO_PEERPIDFD) and /proc, before reading a byte: which
+// instance's budget the connection counts against.
+func (e *Enforcer) identifyConn(conn *net.UnixConn) (*attachConn, error) {
+	cred, pidfd, err := peerCred(conn)
+	if err != nil {
+		return nil, err
+	}
+	c := &attachConn{conn: conn, pid: int(cred.Pid), uid: cred.Uid, pidfd: pidfd}
+	c.info, c.ierr = e.inspect(c.pid)
+	if c.ierr == nil && pidfd >= 0 && exited(pidfd) {
+		c.ierr = os.ErrProcessDone // pid may name another process already
+	}
+	c.key = unidentifiedKey
+	if c.ierr == nil {
+		e.mu.Lock()
+		in := e.matchLocked(c.info)
+		e.mu.Unlock()
+		c.key = keyOf(in, c.info)
+	}
+	return c, nil
+}
+
+// handleAttach serves one connection: read the request (within the
+// request deadline), establish the caller's pidfd, answer with its
+// instance's region or a refusal.
+func (e *Enforcer) handleAttach(c *attachConn) {
+	conn := c.conn
 	defer func() { _ = conn.Close() }()
+	defer closePidfd(c)
 	_ = conn.SetDeadline(time.Now().Add(e.o.attachTimeout))
-	var buf [attach.RequestSize]byte
-	if _, err := io.ReadFull(conn, buf[:]); err != nil {
+	buf, sent, err := readRequest(conn)
+	defer closeFDs(sent)
+	if err != nil {
 		return // incomplete request: close this connection only
 	}
 	req, err := attach.DecodeRequest(buf[:])
@@ -69,16 +132,22 @@ func (e *Enforcer) handleAttach(conn *net.UnixConn) {
 		if req.Magic == attach.Magic && req.Version != 0 {
 			v = req.Version
 		}
-		e.o.log.Warn("attach refused", "err", err)
+		e.o.log.Warn("attach refused", "pid", c.pid, "err", err)
 		_ = e.reply(conn, attach.Response{Version: v, Status: attach.BadRequest, Message: "mgpu: " + err.Error()}, nil)
 		return
 	}
-	pid, pidfd, err := peer(conn)
-	if err != nil {
-		_ = e.reply(conn, attach.Response{Status: attach.Internal, Message: "mgpu: cannot identify the caller: " + err.Error()}, nil)
-		return
+	if c.pidfd < 0 {
+		// Linux < 6.5: the pidfd the client sent of itself, which must be
+		// of the pid and uid the kernel recorded at connect; /proc is read
+		// again now that the process is pinned.
+		c.pidfd, err = sentPidfd(conn, sent, c.pid, c.uid, req)
+		_ = conn.SetDeadline(time.Now().Add(e.o.attachTimeout))
+		if err != nil {
+			_ = e.reply(conn, attach.Response{Status: attach.Internal, Message: "mgpu: cannot identify the caller: " + err.Error()}, nil)
+			return
+		}
+		c.info, c.ierr = e.inspect(c.pid)
 	}
-	defer func() { _ = unix.Close(pidfd) }()
 	switch req.Flags {
 	case attach.FlagPeers, attach.FlagWake:
 		var (
@@ -86,15 +155,15 @@ func (e *Enforcer) handleAttach(conn *net.UnixConn) {
 			fds  []int
 		)
 		if req.Flags == attach.FlagPeers {
-			resp, fds = e.peers(pid, pidfd)
+			resp, fds = e.peers(c)
 		} else {
-			resp, fds = e.wakeSocket(pid, pidfd)
+			resp, fds = e.wakeSocket(c)
 		}
 		_ = e.reply(conn, resp, fds)
 		closeFDs(fds)
 		return
 	}
-	resp, fds, in, slot := e.attach(pid, pidfd)
+	resp, fds, in, slot := e.attach(c)
 	if fds == nil {
 		_ = e.reply(conn, resp, nil)
 		return
@@ -111,6 +180,46 @@ func (e *Enforcer) handleAttach(conn *net.UnixConn) {
 		return
 	}
 	e.kickLoop()
+}
+
+// readRequest reads one request and the descriptors sent with it.
+func readRequest(conn *net.UnixConn) ([attach.RequestSize]byte, []int, error) {
+	var (
+		buf [attach.RequestSize]byte
+		fds []int
+		n   int
+	)
+	oob := make([]byte, unix.CmsgSpace(4*maxSentFDs))
+	for n < len(buf) {
+		m, oobn, _, _, err := conn.ReadMsgUnix(buf[n:], oob)
+		fds = append(fds, parseRights(oob[:oobn])...)
+		if err == nil && m == 0 {
+			err = errors.New("connection closed")
+		}
+		if err != nil {
+			return buf, fds, err
+		}
+		n += m
+	}
+	return buf, fds, nil
+}
+
+// parseRights returns the descriptors of SCM_RIGHTS messages in oob.
+func parseRights(oob []byte) []int {
+	if len(oob) == 0 {
+		return nil
+	}
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil
+	}
+	var fds []int
+	for i := range msgs {
+		if f, err := unix.ParseUnixRights(&msgs[i]); err == nil {
+			fds = append(fds, f...)
+		}
+	}
+	return fds
 }
 
 // closeFDs closes descriptors a reply carried (or would have).
@@ -130,13 +239,15 @@ func (e *Enforcer) reply(conn *net.UnixConn, r attach.Response, fds []int) error
 	return err
 }
 
-// peer returns the pid of the process that connected (SO_PEERCRED, as the
-// kernel recorded it at connect) and a pidfd of that very process
-// (SO_PEERPIDFD, Linux >= 6.5; pidfd_open of the pid otherwise).
-func peer(conn *net.UnixConn) (int, int, error) {
+// peerCred returns what the kernel recorded of the process that connected:
+// its credentials (SO_PEERCRED) and, on Linux >= 6.5, a pidfd of that very
+// process (SO_PEERPIDFD; -1 where the kernel has none). A pid number is
+// never turned into a pidfd here: by the time it is, the process may have
+// exited and the number may name a process of another instance.
+func peerCred(conn *net.UnixConn) (*unix.Ucred, int, error) {
 	raw, err := conn.SyscallConn()
 	if err != nil {
-		return 0, -1, err
+		return nil, -1, err
 	}
 	var (
 		cred  *unix.Ucred
@@ -155,17 +266,117 @@ func peer(conn *net.UnixConn) (int, int, error) {
 		err = cerr
 	}
 	if err != nil {
-		return 0, -1, fmt.Errorf("SO_PEERCRED: %w", err)
+		if pidfd >= 0 {
+			_ = unix.Close(pidfd)
+		}
+		return nil, -1, fmt.Errorf("SO_PEERCRED: %w", err)
 	}
 	if cred.Pid <= 0 {
-		return 0, -1, errors.New("the caller's pid is not visible from the enforcer's pid namespace")
-	}
-	if pidfd < 0 {
-		if pidfd, err = unix.PidfdOpen(int(cred.Pid), 0); err != nil {
-			return 0, -1, fmt.Errorf("pidfd_open %d: %w", cred.Pid, err)
+		if pidfd >= 0 {
+			_ = unix.Close(pidfd)
 		}
+		return nil, -1, errors.New("the caller's pid is not visible from the enforcer's pid namespace")
 	}
-	return int(cred.Pid), pidfd, nil
+	return cred, pidfd, nil
+}
+
+// sentPidfd establishes the caller's pidfd on Linux < 6.5, where the
+// kernel gives none of a peer, from what the client sent with its request
+// (mgpu_region.h): exactly one descriptor, a pidfd of a live process whose
+// pid and effective uid are those the kernel recorded at connect and which
+// holds this very connection at req.SockFD. That last check is what a
+// process whose pid number was reused cannot pass: the enforcer fetches the
+// descriptor (pidfd_getfd), checks it is a connection to this socket, shuts
+// its writing down (the client has sent all it sends) and must see the end
+// of its own side at once. It returns a duplicate the caller closes.
+func sentPidfd(conn *net.UnixConn, sent []int, pid int, uid uint32, req attach.Request) (int, error) {
+	if len(sent) != 1 || req.SockFD == 0 {
+		return -1, fmt.Errorf("this kernel has no SO_PEERPIDFD (Linux < 6.5) and the client sent %d descriptors and no descriptor number, want its own pidfd and its socket's; install the libmgpu-shim.so of the enforcer's release", len(sent))
+	}
+	fd := sent[0]
+	got, err := pidfdPid(fd)
+	if err != nil {
+		return -1, err
+	}
+	if got != pid {
+		return -1, fmt.Errorf("the pidfd sent is of pid %d, the caller is pid %d", got, pid)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat("/proc/"+strconv.Itoa(pid), &st); err != nil {
+		return -1, fmt.Errorf("pid %d: %w", pid, err)
+	}
+	if st.Uid != uid {
+		return -1, fmt.Errorf("pid %d runs as uid %d, the caller connected as uid %d", pid, st.Uid, uid)
+	}
+	if err := holdsConn(conn, fd, int(req.SockFD-1)); err != nil {
+		return -1, fmt.Errorf("pid %d: %w", pid, err)
+	}
+	if exited(fd) {
+		return -1, fmt.Errorf("pid %d: %w", pid, os.ErrProcessDone)
+	}
+	return unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0) //nolint:gosec // a valid fd
+}
+
+// holdsConn checks that the process of pidfd holds the client's end of conn
+// at descriptor n. It leaves conn without a deadline.
+func holdsConn(conn *net.UnixConn, pidfd, n int) error {
+	errNot := errors.New("is not the process that connected")
+	f, err := unix.PidfdGetfd(pidfd, n, 0)
+	if err != nil {
+		return fmt.Errorf("%w (pidfd_getfd: %w)", errNot, err)
+	}
+	defer func() { _ = unix.Close(f) }()
+	var st unix.Stat_t
+	if err := unix.Fstat(f, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFSOCK {
+		return errNot
+	}
+	// Only a connection to this socket is touched: another descriptor of
+	// the process at that number (a pid reused by a stranger) is left as it
+	// is.
+	if sa, err := unix.Getpeername(f); err != nil {
+		return errNot
+	} else if un, ok := sa.(*unix.SockaddrUnix); !ok || un.Name != conn.LocalAddr().String() {
+		return errNot
+	}
+	if err := unix.Shutdown(f, unix.SHUT_WR); err != nil {
+		return errNot
+	}
+	_ = conn.SetReadDeadline(time.Now().Add(connProofWait))
+	defer func() { _ = conn.SetReadDeadline(time.Time{}) }()
+	var b [1]byte
+	if n, err := conn.Read(b[:]); n != 0 || !errors.Is(err, io.EOF) {
+		return errNot
+	}
+	return nil
+}
+
+// connProofWait bounds the wait for the end of a connection whose writing
+// holdsConn shut down: the end of the caller's own is there at once.
+const connProofWait = 50 * time.Millisecond
+
+// pidfdPid returns the pid (in the enforcer's pid namespace) of the process
+// a pidfd refers to, from its fdinfo; an error for a descriptor that is not
+// a pidfd or whose process has exited (Pid: -1).
+func pidfdPid(fd int) (int, error) {
+	if link, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd)); err != nil || !strings.Contains(link, "pidfd") {
+		return 0, errors.New("the descriptor sent is not a pidfd")
+	}
+	b, err := os.ReadFile("/proc/self/fdinfo/" + strconv.Itoa(fd))
+	if err != nil {
+		return 0, fmt.Errorf("the descriptor sent: %w", err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		v, ok := strings.CutPrefix(line, "Pid:")
+		if !ok {
+			continue
+		}
+		pid, err := strconv.Atoi(strings.TrimSpace(v))
+		if err != nil || pid <= 0 {
+			return 0, errors.New("the pidfd sent is of a process that has exited")
+		}
+		return pid, nil
+	}
+	return 0, errors.New("the descriptor sent is not a pidfd")
 }
 
 // peerInfo is what /proc says about an attaching process.
@@ -248,28 +459,31 @@ func under(p, base string) bool {
 	return len(p) > len(base) && p[:len(base)] == base && p[len(base)] == '/' && base != "/"
 }
 
-// inspectCaller reads what /proc says of a caller that is still alive; when
-// it cannot, ok is false and resp is the refusal to send.
-func (e *Enforcer) inspectCaller(pid, pidfd int) (resp attach.Response, info peerInfo, ok bool) {
+// callerInfo returns what /proc said of a caller, checked against its
+// pidfd: the process was read before the pidfd showed it alive, so what was
+// read is of that very process. When that does not hold, ok is false and
+// resp is the refusal to send.
+func (e *Enforcer) callerInfo(c *attachConn) (resp attach.Response, info peerInfo, ok bool) {
 	resp = attach.Response{DeviceIndex: uint32(e.index)} //nolint:gosec // small
-	info, err := e.inspect(pid)
-	if err == nil && exited(pidfd) {
+	err := c.ierr
+	if err == nil && exited(c.pidfd) {
 		err = os.ErrProcessDone
 	}
 	if err != nil {
 		resp.Status = attach.Internal
-		resp.Message = fmt.Sprintf("mgpu: cannot inspect pid %d: %v", pid, err)
-		return resp, info, false
+		resp.Message = fmt.Sprintf("mgpu: cannot inspect pid %d: %v", c.pid, err)
+		return resp, c.info, false
 	}
-	return resp, info, true
+	return resp, c.info, true
 }
 
 // attach maps a peer to its instance and gives it a slot. On success it
 // returns the descriptors the reply carries (region.TenantFDs; the caller
 // closes them), opened under the lock, so that a concurrent release cannot
 // make the reply carry another instance's files.
-func (e *Enforcer) attach(pid, pidfd int) (attach.Response, []int, *instance, int) {
-	resp, info, ok := e.inspectCaller(pid, pidfd)
+func (e *Enforcer) attach(c *attachConn) (attach.Response, []int, *instance, int) {
+	pid, pidfd := c.pid, c.pidfd
+	resp, info, ok := e.callerInfo(c)
 	if !ok {
 		return resp, nil, nil, 0
 	}
@@ -356,8 +570,9 @@ func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerI
 // instance: answer runs under the lock with the caller's instance and slot
 // and fills in what the request is for; a caller that is not attached is
 // refused.
-func (e *Enforcer) forAttached(pid, pidfd int, answer func(resp *attach.Response, in *instance, own int) []int) (attach.Response, []int) {
-	resp, info, ok := e.inspectCaller(pid, pidfd)
+func (e *Enforcer) forAttached(c *attachConn, answer func(resp *attach.Response, in *instance, own int) []int) (attach.Response, []int) {
+	pid := c.pid
+	resp, info, ok := e.callerInfo(c)
 	if !ok {
 		return resp, nil
 	}
@@ -386,8 +601,8 @@ func (e *Enforcer) forAttached(pid, pidfd int, answer func(resp *attach.Response
 
 // wakeSocket answers an attached process's request for its instance's wake
 // socket (wake.go).
-func (e *Enforcer) wakeSocket(pid, pidfd int) (attach.Response, []int) {
-	return e.forAttached(pid, pidfd, func(resp *attach.Response, in *instance, _ int) []int {
+func (e *Enforcer) wakeSocket(c *attachConn) (attach.Response, []int) {
+	return e.forAttached(c, func(resp *attach.Response, in *instance, _ int) []int {
 		fd, err := e.wakeFDLocked(in)
 		if err != nil {
 			resp.Status = attach.Internal
@@ -400,8 +615,8 @@ func (e *Enforcer) wakeSocket(pid, pidfd int) (attach.Response, []int) {
 
 // peers answers an attached process's request for the read-only proc files
 // of the other attached processes of its instance.
-func (e *Enforcer) peers(pid, pidfd int) (attach.Response, []int) {
-	return e.forAttached(pid, pidfd, func(resp *attach.Response, in *instance, own int) []int {
+func (e *Enforcer) peers(c *attachConn) (attach.Response, []int) {
+	return e.forAttached(c, func(resp *attach.Response, in *instance, own int) []int {
 		var slots []int
 		in.forSlots(func(i int) {
 			if i != own {

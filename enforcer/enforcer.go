@@ -48,8 +48,7 @@ const (
 	DefaultMaxActiveTick = 4 * time.Millisecond   // longest interval then (what the arbiter cannot foresee is noticed within it)
 	DefaultIdleTick      = 5 * time.Millisecond   // processes attached, none active
 	DefaultDormantTick   = 250 * time.Millisecond // no process attached
-	DefaultAttachTimeout = 2 * time.Second
-	DefaultMaxAttaches   = 64 // concurrent attach connections
+	DefaultAttachTimeout = 100 * time.Millisecond // a request must arrive, and its reply leave, within it
 	DefaultSweep         = time.Second
 )
 
@@ -62,7 +61,6 @@ type options struct {
 	idleTick      time.Duration
 	dormantTick   time.Duration
 	attachTimeout time.Duration
-	maxAttaches   int
 	sweep         time.Duration
 	nvml          nvml.Interface
 }
@@ -171,7 +169,6 @@ func New(cfg *config.Config, index int, opts ...Option) (*Enforcer, error) {
 		idleTick:      DefaultIdleTick,
 		dormantTick:   DefaultDormantTick,
 		attachTimeout: DefaultAttachTimeout,
-		maxAttaches:   DefaultMaxAttaches,
 		sweep:         DefaultSweep,
 	}
 	for _, f := range opts {

@@ -345,6 +345,17 @@ func (e *Enforcer) admitLocked(req api.CreateRequest, id identity, pfd int) (*in
 			}
 		}
 	}
+	if id.pidNS != 0 {
+		// Processes are matched to a container by pid namespace first: two
+		// instances in one namespace would be one, and the backstop would
+		// count both containers' memory against one quota.
+		for _, o := range e.list {
+			if o.kind == api.KindContainer && o.pidNS == id.pidNS {
+				return nil, false, refusef("container %s shares its pid namespace with container %s (instance %s), so their processes cannot be told apart; give the GPU to one container of the pod, or do not share the pid namespace (shareProcessNamespace, --pid container:)",
+					req.ContainerID, o.containerID, o.name)
+			}
+		}
+	}
 	pol := e.settings.ComputePolicy
 	if err := e.checkQuotasLocked(req); err != nil {
 		return nil, false, err

@@ -56,7 +56,11 @@ func (s Status) String() string {
 
 // Request is mgpu_attach_req_t.
 type Request struct {
-	Magic, Version, Flags, Reserved uint32
+	Magic, Version, Flags uint32
+	// SockFD is the client's own descriptor of the connection plus one (0:
+	// not sent): on Linux < 6.5 the enforcer checks, through the pidfd the
+	// client sends, that the caller holds the connection there.
+	SockFD uint32
 }
 
 // NewRequest returns the only valid request of this version.
@@ -70,7 +74,7 @@ func (r Request) Marshal() [RequestSize]byte {
 	le.PutUint32(b[0:], r.Magic)
 	le.PutUint32(b[4:], r.Version)
 	le.PutUint32(b[8:], r.Flags)
-	le.PutUint32(b[12:], r.Reserved)
+	le.PutUint32(b[12:], r.SockFD)
 	return b
 }
 
@@ -84,7 +88,7 @@ func DecodeRequest(b []byte) (Request, error) {
 		return Request{}, fmt.Errorf("%w: %d bytes, want %d", ErrBadRequest, len(b), RequestSize)
 	}
 	le := binary.LittleEndian
-	r := Request{Magic: le.Uint32(b[0:]), Version: le.Uint32(b[4:]), Flags: le.Uint32(b[8:]), Reserved: le.Uint32(b[12:])}
+	r := Request{Magic: le.Uint32(b[0:]), Version: le.Uint32(b[4:]), Flags: le.Uint32(b[8:]), SockFD: le.Uint32(b[12:])}
 	switch {
 	case r.Magic != Magic:
 		return r, fmt.Errorf("%w: magic %#x, want %#x", ErrBadRequest, r.Magic, Magic)

@@ -1,6 +1,7 @@
 package attach
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -106,6 +107,21 @@ func Wake(path string, timeout time.Duration) (*os.File, error) {
 	return os.NewFile(uintptr(fds[0]), "wake"), nil //nolint:gosec // fds are non-negative
 }
 
+// withSockFD returns a request that names the client's descriptor of conn
+// (Request.SockFD), unless it is not a whole request or names one already.
+func withSockFD(conn *net.UnixConn, req []byte) []byte {
+	if len(req) != RequestSize || binary.LittleEndian.Uint32(req[12:]) != 0 {
+		return req
+	}
+	raw, err := conn.SyscallConn()
+	if err != nil {
+		return req
+	}
+	out := append([]byte(nil), req...)
+	_ = raw.Control(func(fd uintptr) { binary.LittleEndian.PutUint32(out[12:], uint32(fd)+1) }) //nolint:gosec // fds fit in uint32
+	return out
+}
+
 func closeAll(fds []int) {
 	for _, fd := range fds {
 		_ = unix.Close(fd)
@@ -124,7 +140,15 @@ func exchange(path string, req []byte, timeout time.Duration) (Response, []int, 
 	if err := uc.SetDeadline(time.Now().Add(timeout)); err != nil {
 		return Response{}, nil, fmt.Errorf("attach: %w", err)
 	}
-	if _, err := uc.Write(req); err != nil {
+	// With a pidfd of this process, as the shim does (an enforcer on
+	// Linux < 6.5 identifies the caller by it).
+	var rights []byte
+	if pfd, err := unix.PidfdOpen(os.Getpid(), 0); err == nil {
+		defer func() { _ = unix.Close(pfd) }()
+		rights = unix.UnixRights(pfd)
+		req = withSockFD(uc, req)
+	}
+	if _, _, err := uc.WriteMsgUnix(req, rights, nil); err != nil {
 		return Response{}, nil, fmt.Errorf("attach: send request: %w", err)
 	}
 	buf := make([]byte, ResponseSize)

@@ -18,7 +18,7 @@ func TestWireMatchesHeader(t *testing.T) {
 		"mgpu_attach_req_t.magic":         0,
 		"mgpu_attach_req_t.version":       4,
 		"mgpu_attach_req_t.flags":         8,
-		"mgpu_attach_req_t.reserved":      12,
+		"mgpu_attach_req_t.sock_fd":       12,
 		"sizeof(mgpu_attach_resp_t)":      ResponseSize,
 		"mgpu_attach_resp_t.magic":        0,
 		"mgpu_attach_resp_t.version":      4,

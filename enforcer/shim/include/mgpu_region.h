@@ -177,8 +177,19 @@ typedef struct mgpu_control {
  *                            enforcer_epoch changes.
  * Otherwise no descriptor comes and message holds one NUL-terminated line
  * for the user (the shim prints it).  The server identifies the caller by
- * SO_PEERCRED, never by anything it sends.  The server closes the connection
- * after the response.
+ * the kernel: the pidfd of the process that connected (SO_PEERPIDFD, Linux
+ * >= 6.5).  On older kernels the client sends a pidfd of itself
+ * (pidfd_open(getpid())) as SCM_RIGHTS with the request and its own
+ * descriptor of the connection in sock_fd; the server takes the pidfd only
+ * when its pid and uid are those SO_PEERCRED recorded at connect and the
+ * process holds the connection at sock_fd (pidfd_getfd; the server shuts
+ * that end's writing down, which the client no longer needs, and sees the
+ * end of its own read).  A pid number is never looked up after the fact.  A newer server
+ * closes the descriptor unread.  The request must arrive within 100 ms of
+ * the server taking up the connection, and each instance (or caller of no
+ * instance, by pid namespace or cgroup) has its own budget of connections
+ * served and waiting: beyond it a connection is answered at once with a
+ * refusal.  The server closes the connection after the response.
  *
  * Versions: a request of another version that carries the right magic is
  * answered in that version's response layout (magic, version, status and
@@ -203,7 +214,7 @@ typedef struct mgpu_attach_req {
     uint32_t magic;   /* MGPU_ATTACH_MAGIC */
     uint32_t version; /* MGPU_ATTACH_VERSION */
     uint32_t flags;   /* 0 (attach), MGPU_ATTACH_FLAG_PEERS or MGPU_ATTACH_FLAG_WAKE */
-    uint32_t reserved;
+    uint32_t sock_fd; /* the client's own descriptor of this connection plus one (0: not sent); Linux < 6.5 */
 } mgpu_attach_req_t;
 
 #define MGPU_ATTACH_MESSAGE_LEN 224u

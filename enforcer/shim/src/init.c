@@ -19,6 +19,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/time.h>
 #include <sys/un.h>
 #include <time.h>
@@ -296,6 +297,41 @@ static int write_all(int fd, const void *buf, size_t len)
     return 0;
 }
 
+/* Sends a request with a pidfd of this process (mgpu_region.h: an
+ * enforcer on Linux < 6.5, which cannot ask the kernel for the caller's
+ * pidfd, identifies the caller by it; a newer one closes it).  A kernel
+ * without pidfd_open (< 5.3) sends the request alone.  Returns 0 or -1. */
+static int send_req(int s, const mgpu_attach_req_t *req)
+{
+#ifdef SYS_pidfd_open
+    int pfd = (int)syscall(SYS_pidfd_open, (long)getpid(), 0L);
+#else
+    int pfd = -1;
+#endif
+    if (pfd < 0)
+        return write_all(s, req, sizeof *req);
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } cbuf;
+    memset(&cbuf, 0, sizeof cbuf);
+    struct iovec iov = {(void *)req, sizeof *req};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf.buf, .msg_controllen = sizeof cbuf.buf};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &pfd, sizeof pfd);
+    ssize_t n;
+    do
+        n = sendmsg(s, &mh, MSG_NOSIGNAL);
+    while (n < 0 && errno == EINTR);
+    close(pfd);
+    if (n <= 0)
+        return -1;
+    return write_all(s, (const char *)req + n, sizeof *req - (size_t)n);
+}
+
 /* Reads the response and the descriptors that come with it (at most max,
  * the others are closed; *nfds says how many).  Returns 0, or -1 with err filled
  * and no descriptor left open. */
@@ -443,8 +479,9 @@ static int request(unsigned idx, uint32_t flags, int timeout_ms, char *path, siz
         close(s);
         return -1;
     }
-    mgpu_attach_req_t req = {.magic = MGPU_ATTACH_MAGIC, .version = MGPU_ATTACH_VERSION, .flags = flags};
-    if (write_all(s, &req, sizeof req)) {
+    mgpu_attach_req_t req = {
+        .magic = MGPU_ATTACH_MAGIC, .version = MGPU_ATTACH_VERSION, .flags = flags, .sock_fd = (uint32_t)s + 1};
+    if (send_req(s, &req)) {
         snprintf(err, errlen, "sending the request: %s", strerror(errno));
         close(s);
         return -1;
