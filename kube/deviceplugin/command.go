@@ -37,7 +37,8 @@ node's scheduling mode (the label ` + ModeLabel + `, else --default-mode):
   cgpu      none: shared equally under the     aliyun.com/gpu-mem (GiB, device plugin),
             GPUs' burst policy                 isolated
   share     none, nothing enforced             aliyun.com/gpu-mem, scheduling only
-  mps       NVIDIA MPS (real GPUs only)        aliyun.com/gpu-mem, isolated by MPS
+  mps       NVIDIA MPS (real GPUs only)        aliyun.com/gpu-mem, scheduling only (the
+                                               MPS limit is advisory, docs/kubernetes.md)
 
 Compute is percent of a GPU's time (100 = one whole GPU, multiples of 100 =
 whole GPUs); the other modes' resources are 0. A mode change waits until no

@@ -34,6 +34,12 @@ const (
 	DefaultMPSPipe = "/tmp/nvidia-mps"
 )
 
+// mpsNotice is what the agent logs when the node enters mps mode: the
+// memory limit it gives is the tenant's own environment, so the mode
+// schedules memory and isolates none unless the daemon sets the limit.
+const mpsNotice = "mode mps schedules memory and does not isolate it: " + EnvMPSMemLimit +
+	" is the container's own environment, which it can unset or raise; a limit that holds is set in the MPS control daemon (set_default_device_pinned_mem_limit), see docs/kubernetes.md"
+
 // cgpuCore is the core of a cgpu container's instance: the smallest
 // share, a weight equal to every other cgpu container's, under the GPU's
 // burst policy (EnforceMemory).
@@ -184,8 +190,14 @@ func (p *Plugin) allocateMemory(ids []string) (*pluginapi.ContainerAllocateRespo
 	case EnforceMPS:
 		resp := p.gpuResponse(gpus, false)
 		resp.Envs[EnvMPSPipe] = p.mpsPipe
+		// Advisory: the tenant's process can unset or raise it
+		// (mpsNotice).
 		resp.Envs[EnvMPSMemLimit] = fmt.Sprintf("0=%dG", gib)
-		resp.Mounts = append(resp.Mounts, &pluginapi.Mount{ContainerPath: p.mpsPipe, HostPath: p.mpsPipe})
+		// Read-only: a client only connects to the daemon's and the
+		// server's sockets there, which a read-only mount allows; it
+		// cannot unlink them or bind its own in their place, which
+		// would answer every other mps container of the node.
+		resp.Mounts = append(resp.Mounts, &pluginapi.Mount{ContainerPath: p.mpsPipe, HostPath: p.mpsPipe, ReadOnly: true})
 		return resp, nil
 	}
 	return nil, invalid("the node's mode %s does not allocate %s", sch.Mode, p.scheme.Core)

@@ -333,3 +333,19 @@ func TestResolveClass(t *testing.T) {
 		t.Fatalf("bad class: %v", err)
 	}
 }
+
+// An mps container gets the MPS pipe directory read-only: a client only
+// connects to the sockets there (which a read-only mount allows); with it
+// writable, a tenant could unlink the daemon's socket and bind its own,
+// answering every other mps container of the node.
+func TestMPSPipeMountedReadOnly(t *testing.T) {
+	t.Parallel()
+	bare := WithBareDevices(map[int][]string{0: {"/dev/nvidia0"}}, []string{"/dev/nvidiactl"})
+	r, err := allocMem(memPlugin(t, SchemeMPS, bare, WithMPSPipe("/run/nvidia-mps")), gib(0, 0, 2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.Mounts) != 1 || r.Mounts[0].HostPath != "/run/nvidia-mps" || !r.Mounts[0].ReadOnly {
+		t.Fatalf("mounts %+v, want /run/nvidia-mps read-only", r.Mounts)
+	}
+}

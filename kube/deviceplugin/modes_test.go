@@ -3,6 +3,7 @@ package deviceplugin
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"slices"
 	"strings"
 	"testing"
@@ -253,6 +254,41 @@ func TestInactivePluginListsNothing(t *testing.T) {
 	}
 	if p.SocketPath() != DefaultDir+"mgpu-ack-core.sock" {
 		t.Fatalf("socket %s", p.SocketPath())
+	}
+}
+
+// Entering mps mode logs, once, that the mode schedules memory and does
+// not isolate it (the limit is the tenant's environment).
+func TestMPSModeLogsThatMemoryIsNotIsolated(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1", Labels: map[string]string{ModeLabel: "mps"}}})
+	var plugins []*Plugin
+	for _, s := range PluginSchemes() {
+		opts := []Option{WithScheme(s), WithLogger(testLogger()), WithMode(SchemeMGPU)}
+		if s.Core == ACKMemory.Core {
+			opts = append(opts, WithMemory(map[int]uint64{0: 81920}))
+		}
+		p, err := New([]int{0}, newFakeCards(0), opts...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		plugins = append(plugins, p)
+	}
+	var logs strings.Builder
+	log := slog.New(slog.NewTextHandler(&logs, nil))
+	n := NewNodePublisher(client, "n1", nil, []uint64{81920}, plugins, placement.Binpack, log).
+		WithModes(SchemeMGPU, NewResolver("n1", []int{0}, &fakePods{}, &fakeAllocs{}), &fakeAllocs{})
+	for range 3 {
+		if err := n.Publish(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n.Current().Mode != "mps" {
+		t.Fatalf("mode %s, want mps", n.Current().Mode)
+	}
+	if got := strings.Count(logs.String(), "mode mps schedules memory and does not isolate it: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT is the container's own environment"); got != 1 {
+		t.Fatalf("logged %d times, want once:\n%s", got, logs.String())
 	}
 }
 

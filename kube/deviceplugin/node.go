@@ -357,5 +357,8 @@ func (n *NodePublisher) applyMode(ctx context.Context, labels map[string]string)
 	}
 	n.current, n.deferred = &want, ""
 	n.log.Info("mode", "from", from, "to", want.Mode, "core", want.Core, "memory", want.Memory)
+	if want.Enforce == EnforceMPS {
+		n.log.Warn(mpsNotice)
+	}
 	return nil
 }

@@ -64,7 +64,10 @@ const (
 	// memory request only schedules.
 	EnforceNone
 	// EnforceMPS (ACK's mps) is the GPU without mgpu's hook or shim, the
-	// memory quota given to NVIDIA MPS (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT).
+	// memory quota given to NVIDIA MPS as CUDA_MPS_PINNED_DEVICE_MEM_LIMIT
+	// in the container's environment: advisory, as the tenant can change
+	// it, so the request schedules and the MPS control daemon's own limit,
+	// if the operator sets one, is what holds.
 	EnforceMPS
 )
 
@@ -107,8 +110,9 @@ var (
 	// SchemeShare is ACK's share: aliyun.com/gpu-mem schedules, nothing
 	// is enforced (EnforceNone).
 	SchemeShare = Scheme{Mode: "share", Memory: ACKMemory.Core, MemoryUnitMiB: 1024, MemoryIDs: true, Enforce: EnforceNone}
-	// SchemeMPS is ACK's mps: aliyun.com/gpu-mem, the memory isolated by
-	// NVIDIA MPS (EnforceMPS); real GPUs with an MPS control daemon only.
+	// SchemeMPS is ACK's mps: aliyun.com/gpu-mem, the memory limit given
+	// to NVIDIA MPS (EnforceMPS, advisory); real GPUs with an MPS control
+	// daemon only.
 	SchemeMPS = Scheme{Mode: "mps", Memory: ACKMemory.Core, MemoryUnitMiB: 1024, MemoryIDs: true, Enforce: EnforceMPS}
 
 	// ACKMemory is not a mode: it is the resource of the memory plugin,
