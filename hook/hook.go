@@ -146,6 +146,10 @@ func (h *Hook) Create(ctx context.Context, st *oci.State) ([]Admitted, error) {
 		}
 		done = append(done, Admitted{Device: d.Index, Instance: inst})
 	}
+	// For destroy: which init is this container's. Without the record
+	// destroy only releases instances whose init has exited, so a failure
+	// here keeps nothing from working that matters at poststop.
+	_ = writeInitRecord(st.Bundle, id)
 	return done, nil
 }
 
@@ -259,9 +263,16 @@ func (h *Hook) Destroy(ctx context.Context, st *oci.State) ([]string, []error) {
 	}
 	sort.Ints(idx)
 	// At poststop the container's processes are gone: its instances are
-	// those whose init has exited (or is the state's pid).
+	// those whose init has exited, or whose init is the one create
+	// recorded in this bundle (pid and start time) and the state names.
+	// A live init matched by pid alone may be another container's with
+	// the same id that reused the pid after this one's init exited.
+	rec, hasRec := readInitRecord(st.Bundle)
 	ours := func(in api.Instance) bool {
-		return (st.Pid > 0 && in.PID == st.Pid) || !h.proc.Alive(in.PID, in.StartTime)
+		if !h.proc.Alive(in.PID, in.StartTime) {
+			return true
+		}
+		return hasRec && st.Pid > 0 && rec.Pid == st.Pid && in.PID == rec.Pid && in.StartTime == rec.StartTime
 	}
 	var released []string
 	var errs []error
@@ -274,6 +285,9 @@ func (h *Hook) Destroy(ctx context.Context, st *oci.State) ([]string, []error) {
 			}
 			errs = append(errs, deviceErr(i, err))
 		}
+	}
+	if hasRec && len(errs) == 0 {
+		_ = os.Remove(filepath.Join(st.Bundle, initRecordName))
 	}
 	return released, errs
 }

@@ -170,6 +170,102 @@ func TestCreateSameQuotaOnEveryDevice(t *testing.T) {
 	}
 }
 
+// Destroy and a reused pid: container c1's init (pid 100) exited, and a
+// container of another namespace with the same id started with its init at
+// pid 100 (start time 888); the enforcer replaced c1's instance with the
+// neighbour's. c1's poststop names pid 100: the live init there is not the
+// one create recorded in c1's bundle, so the neighbour's instance is kept.
+// Before the record, a live init matched by pid alone was released.
+func TestDestroyKeepsAnInstanceOfAReusedPid(t *testing.T) {
+	t.Parallel()
+	cfg, fakes, proc, st := fakeNode(t, 1)
+	h := New(cfg, WithProc(proc), WithEnforcers(func(i int) Enforcer { return fakes[i] }))
+	if _, err := h.Create(context.Background(), st); err != nil {
+		t.Fatal(err)
+	}
+	if rec, ok := readInitRecord(st.Bundle); !ok || rec.Pid != 100 || rec.StartTime != 777 {
+		t.Fatalf("record %+v, %v; want pid 100, start time 777", rec, ok)
+	}
+	// Pid 100 is now the neighbour's init.
+	if err := os.WriteFile(filepath.Join(proc.Root, "100", "stat"), []byte(statLine(100, 'S', 888)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	fakes[0].insts = map[string]api.Instance{"mgpu0inst1": {Name: "mgpu0inst1", ContainerID: "c1", Kind: api.KindContainer, PID: 100, StartTime: 888}}
+	released, errs := h.Destroy(context.Background(), st)
+	if len(released) != 0 || len(errs) != 1 || !strings.Contains(errs[0].Error(), `instance mgpu0inst1 of container "c1" kept: its init (pid 100) still runs`) {
+		t.Fatalf("released %v, errors %v; want the neighbour's instance kept", released, errs)
+	}
+	if len(fakes[0].insts) != 1 {
+		t.Fatalf("the neighbour's instance was released: %v", fakes[0].insts)
+	}
+}
+
+// Destroy releases an instance whose init still runs when it is the init
+// create recorded (a destroy before the init exits), and, without a
+// record, only instances whose init has exited.
+func TestDestroyLiveInitNeedsTheRecord(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		noRecord bool
+		exited   bool
+		released int
+	}{
+		{name: "recorded init, alive", released: 1},
+		{name: "no record, init alive", noRecord: true, released: 0},
+		{name: "no record, init exited", noRecord: true, exited: true, released: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			cfg, fakes, proc, st := fakeNode(t, 1)
+			h := New(cfg, WithProc(proc), WithEnforcers(func(i int) Enforcer { return fakes[i] }))
+			if _, err := h.Create(context.Background(), st); err != nil {
+				t.Fatal(err)
+			}
+			if tc.noRecord {
+				if err := os.Remove(filepath.Join(st.Bundle, initRecordName)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if tc.exited {
+				if err := os.RemoveAll(filepath.Join(proc.Root, "100")); err != nil {
+					t.Fatal(err)
+				}
+			}
+			released, _ := h.Destroy(context.Background(), st)
+			if len(released) != tc.released {
+				t.Fatalf("released %v, want %d", released, tc.released)
+			}
+			if _, ok := readInitRecord(st.Bundle); ok && tc.released > 0 {
+				t.Error("the record is left after a full release")
+			}
+		})
+	}
+}
+
+func TestParseInitRecord(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		in   string
+		want Identity
+		ok   bool
+	}{
+		{"100 777\n", Identity{Pid: 100, StartTime: 777}, true},
+		{"100 777", Identity{}, false},
+		{"100\n", Identity{}, false},
+		{"0 777\n", Identity{}, false},
+		{"-1 777\n", Identity{}, false},
+		{"100 -7\n", Identity{}, false},
+		{"100 777 1\n", Identity{}, false},
+		{"x 777\n", Identity{}, false},
+		{"", Identity{}, false},
+	} {
+		if got, ok := parseInitRecord([]byte(tc.in)); got != tc.want || ok != tc.ok {
+			t.Errorf("%q: %+v, %v; want %+v, %v", tc.in, got, ok, tc.want, tc.ok)
+		}
+	}
+}
+
 func TestMainTimesOutOnSilentStdin(t *testing.T) {
 	t.Parallel()
 	r, w, err := os.Pipe()

@@ -8,6 +8,9 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
 
 	oci "github.com/opencontainers/runtime-spec/specs-go"
 )
@@ -149,4 +152,60 @@ func decodeStrict(data []byte, v any) error {
 		return errors.New("invalid JSON: data after the object")
 	}
 	return nil
+}
+
+// initRecordName is the file create leaves in the container's bundle: the
+// pid and start time of the init it admitted. The state a runtime gives
+// destroy has the init's pid but no start time, and at poststop that pid
+// may already be another process's (the init has exited); the record lets
+// destroy tell its own init from a process that reuses the pid. The bundle
+// is the runtime's directory on the host, out of the container's reach,
+// and unique to the container where its id may not be (containerd puts it
+// under the namespace).
+const initRecordName = "mgpu-hook.init"
+
+// maxInitRecord bounds what readInitRecord reads: two decimal numbers.
+const maxInitRecord = 64
+
+// writeInitRecord records id's pid and start time in bundle.
+func writeInitRecord(bundle string, id Identity) error {
+	path := filepath.Join(bundle, initRecordName)
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_NOFOLLOW, 0o600) //nolint:gosec // the bundle path comes from the runtime
+	if err != nil {
+		return err
+	}
+	_, err = fmt.Fprintf(f, "%d %d\n", id.Pid, id.StartTime)
+	return errors.Join(err, f.Close())
+}
+
+// readInitRecord reads what writeInitRecord recorded in bundle; false when
+// there is no valid record (no bundle, a create that admitted nothing).
+func readInitRecord(bundle string) (Identity, bool) {
+	f, err := os.OpenFile(filepath.Join(bundle, initRecordName), os.O_RDONLY|syscall.O_NOFOLLOW, 0) //nolint:gosec // the bundle path comes from the runtime
+	if err != nil {
+		return Identity{}, false
+	}
+	defer func() { _ = f.Close() }()
+	data, err := readBounded(f, maxInitRecord)
+	if err != nil {
+		return Identity{}, false
+	}
+	return parseInitRecord(data)
+}
+
+// parseInitRecord parses "<pid> <start time>\n".
+func parseInitRecord(data []byte) (Identity, bool) {
+	fields := strings.Fields(string(data))
+	if len(fields) != 2 || !bytes.HasSuffix(data, []byte("\n")) {
+		return Identity{}, false
+	}
+	pid, err := strconv.Atoi(fields[0])
+	if err != nil || pid <= 0 {
+		return Identity{}, false
+	}
+	start, err := strconv.ParseUint(fields[1], 10, 64)
+	if err != nil {
+		return Identity{}, false
+	}
+	return Identity{Pid: pid, StartTime: start}, true
 }
