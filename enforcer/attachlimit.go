@@ -5,6 +5,8 @@ import (
 	"log/slog"
 	"sync"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Budgets of the attach server, per key: an instance, or for a caller that
@@ -105,9 +107,20 @@ func (l *attachLimiter) enter(c *attachConn) (msg string, ok bool) {
 	return fmt.Sprintf("mgpu: %s has %d attach connections open, the most it may; close some and retry", c.key, attachActivePerKey+attachPendingPerKey), false
 }
 
-// noteRefusedLocked logs a key's refused connections, at most once every
-// attachLogEvery with the count since the last line.
+// noteRefusedLocked logs a key's refused connections.
 func (l *attachLimiter) noteRefusedLocked(k attachKey, b *attachBudget) {
+	l.logRefusedLocked(k, "attach connections over their budget refused", "active", b.active, "pending", len(b.pending))
+}
+
+// logRefused logs msg for a caller at most once every attachLogEvery, with
+// how many times it happened since the last line.
+func (l *attachLimiter) logRefused(k attachKey, msg string, args ...any) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.logRefusedLocked(k, msg, args...)
+}
+
+func (l *attachLimiter) logRefusedLocked(k attachKey, msg string, args ...any) {
 	now := time.Now()
 	g := l.logged[k]
 	if g != nil && now.Sub(g.at) < attachLogEvery {
@@ -123,8 +136,7 @@ func (l *attachLimiter) noteRefusedLocked(k attachKey, b *attachBudget) {
 	if g != nil {
 		refused += g.refused
 	}
-	l.log.Warn("attach connections over their budget refused", "caller", string(k), "refused", refused,
-		"active", b.active, "pending", len(b.pending))
+	l.log.Warn(msg, append([]any{"caller", string(k), "refused", refused}, args...)...)
 	l.logged[k] = &attachLog{at: now}
 }
 
@@ -147,5 +159,66 @@ func (l *attachLimiter) run(c *attachConn) {
 		}
 		l.mu.Unlock()
 		c = next
+	}
+}
+
+// keyCache remembers the budget of a pid while the process it named when
+// it was looked up lives (a pidfd of it polls quiet), for at most
+// keyCacheTTL: a caller that floods the socket costs the accept loop a few
+// system calls a connection, not a walk through /proc. Only the accept
+// loop uses it.
+type keyCache struct {
+	m map[int]keyEntry
+}
+
+type keyEntry struct {
+	key   attachKey
+	pidfd int
+	at    time.Time
+}
+
+const (
+	keyCacheTTL  = time.Second // instances come and go: a budget is looked up again after it
+	keyCacheSize = 256
+)
+
+func newKeyCache() *keyCache { return &keyCache{m: map[int]keyEntry{}} }
+
+func (k *keyCache) get(pid int) (attachKey, bool) {
+	e, ok := k.m[pid]
+	if !ok {
+		return "", false
+	}
+	if time.Since(e.at) < keyCacheTTL && !exited(e.pidfd) {
+		return e.key, true
+	}
+	k.drop(pid)
+	return "", false
+}
+
+// put takes pidfd (a pidfd of the process pid named when key was found).
+func (k *keyCache) put(pid int, key attachKey, pidfd int) {
+	if len(k.m) >= keyCacheSize {
+		for p, e := range k.m {
+			if time.Since(e.at) >= keyCacheTTL || exited(e.pidfd) {
+				k.drop(p)
+			}
+		}
+	}
+	if _, ok := k.m[pid]; ok || len(k.m) >= keyCacheSize {
+		_ = unix.Close(pidfd)
+		return
+	}
+	k.m[pid] = keyEntry{key: key, pidfd: pidfd, at: time.Now()}
+}
+
+func (k *keyCache) drop(pid int) {
+	_ = unix.Close(k.m[pid].pidfd)
+	delete(k.m, pid)
+}
+
+func (k *keyCache) close() {
+	for p := range k.m {
+		k.drop(p)
 	}
 }

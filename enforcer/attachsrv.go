@@ -26,15 +26,15 @@ const maxAncestors = 1024
 const maxSentFDs = 4
 
 // attachConn is an accepted attach connection and what was learned of its
-// peer right after the accept.
+// peer.
 type attachConn struct {
 	conn  *net.UnixConn
 	pid   int       // SO_PEERCRED: the process that connected
 	uid   uint32    // its effective uid then
-	pidfd int       // the kernel's pidfd of that process (SO_PEERPIDFD), or -1 on Linux < 6.5
-	info  peerInfo  // what /proc said of pid at the accept
+	key   attachKey // whose budget the connection counts against (at the accept)
+	pidfd int       // the caller's pidfd, once established (handleAttach); -1 before
+	info  peerInfo  // what /proc said of pid, read before pidfd was seen alive
 	ierr  error     // why /proc could not say
-	key   attachKey // whose budget the connection counts against
 }
 
 // serveAttach accepts attach connections. Each is identified at once
@@ -44,6 +44,9 @@ type attachConn struct {
 // accept loop itself never waits for a client.
 func (e *Enforcer) serveAttach(ctx context.Context) {
 	lim := newAttachLimiter(e.o.log, e.handleAttach)
+	e.attachLim = lim
+	keys := newKeyCache()
+	defer keys.close()
 	for {
 		conn, err := e.client.AcceptUnix()
 		if err != nil {
@@ -60,14 +63,13 @@ func (e *Enforcer) serveAttach(ctx context.Context) {
 			}
 			continue
 		}
-		c, err := e.identifyConn(conn)
+		c, err := e.identifyConn(conn, keys)
 		if err != nil {
 			e.refuseConn(conn, attach.Internal, "mgpu: cannot identify the caller: "+err.Error())
 			continue
 		}
 		if msg, ok := lim.enter(c); !ok {
 			e.refuseConn(conn, attach.Internal, msg)
-			closePidfd(c)
 		}
 	}
 }
@@ -87,25 +89,31 @@ func closePidfd(c *attachConn) {
 	}
 }
 
-// identifyConn learns who connected, from the kernel (SO_PEERCRED and, on
-// Linux >= 6.5, SO_PEERPIDFD) and /proc, before reading a byte: which
-// instance's budget the connection counts against.
-func (e *Enforcer) identifyConn(conn *net.UnixConn) (*attachConn, error) {
-	cred, pidfd, err := peerCred(conn)
+// identifyConn learns, before reading a byte, whose budget a connection
+// counts against: the caller's instance, from SO_PEERCRED's pid and /proc
+// (or the key cache, while the process it names lives). What it reads is
+// not the caller's identity: handleAttach establishes that.
+func (e *Enforcer) identifyConn(conn *net.UnixConn, keys *keyCache) (*attachConn, error) {
+	cred, err := peerCred(conn)
 	if err != nil {
 		return nil, err
 	}
-	c := &attachConn{conn: conn, pid: int(cred.Pid), uid: cred.Uid, pidfd: pidfd}
-	c.info, c.ierr = e.inspect(c.pid)
-	if c.ierr == nil && pidfd >= 0 && exited(pidfd) {
-		c.ierr = os.ErrProcessDone // pid may name another process already
+	c := &attachConn{conn: conn, pid: int(cred.Pid), uid: cred.Uid, pidfd: -1}
+	if k, ok := keys.get(c.pid); ok {
+		c.key = k
+		return c, nil
 	}
 	c.key = unidentifiedKey
-	if c.ierr == nil {
-		e.mu.Lock()
-		in := e.matchLocked(c.info)
-		e.mu.Unlock()
-		c.key = keyOf(in, c.info)
+	info, err := e.inspect(c.pid)
+	if err != nil {
+		return c, nil
+	}
+	e.mu.Lock()
+	in := e.matchLocked(info)
+	e.mu.Unlock()
+	c.key = keyOf(in, info)
+	if fd, err := e.pidfd(c.pid, info.startTime); err == nil {
+		keys.put(c.pid, c.key, fd)
 	}
 	return c, nil
 }
@@ -132,22 +140,23 @@ func (e *Enforcer) handleAttach(c *attachConn) {
 		if req.Magic == attach.Magic && req.Version != 0 {
 			v = req.Version
 		}
-		e.o.log.Warn("attach refused", "pid", c.pid, "err", err)
+		e.attachLim.logRefused(c.key, "attach requests refused", "err", err)
 		_ = e.reply(conn, attach.Response{Version: v, Status: attach.BadRequest, Message: "mgpu: " + err.Error()}, nil)
 		return
 	}
-	if c.pidfd < 0 {
-		// Linux < 6.5: the pidfd the client sent of itself, which must be
-		// of the pid and uid the kernel recorded at connect; /proc is read
-		// again now that the process is pinned.
+	// The caller: the kernel's pidfd of the process that connected, or on
+	// Linux < 6.5 the one the client sent of itself, which must hold this
+	// connection. /proc is read once the process is pinned, and believed
+	// only while the pidfd shows it alive (callerInfo).
+	if c.pidfd, err = peerPidfd(conn); err != nil {
 		c.pidfd, err = sentPidfd(conn, sent, c.pid, c.uid, req)
 		_ = conn.SetDeadline(time.Now().Add(e.o.attachTimeout))
 		if err != nil {
 			_ = e.reply(conn, attach.Response{Status: attach.Internal, Message: "mgpu: cannot identify the caller: " + err.Error()}, nil)
 			return
 		}
-		c.info, c.ierr = e.inspect(c.pid)
 	}
+	c.info, c.ierr = e.inspect(c.pid)
 	switch req.Flags {
 	case attach.FlagPeers, attach.FlagWake:
 		var (
@@ -239,45 +248,53 @@ func (e *Enforcer) reply(conn *net.UnixConn, r attach.Response, fds []int) error
 	return err
 }
 
-// peerCred returns what the kernel recorded of the process that connected:
-// its credentials (SO_PEERCRED) and, on Linux >= 6.5, a pidfd of that very
-// process (SO_PEERPIDFD; -1 where the kernel has none). A pid number is
-// never turned into a pidfd here: by the time it is, the process may have
-// exited and the number may name a process of another instance.
-func peerCred(conn *net.UnixConn) (*unix.Ucred, int, error) {
+// peerCred returns the credentials the kernel recorded of the process that
+// connected (SO_PEERCRED). Its pid is a number: it may name another process
+// by the time it is used, so it only chooses a budget (identifyConn).
+func peerCred(conn *net.UnixConn) (*unix.Ucred, error) {
 	raw, err := conn.SyscallConn()
 	if err != nil {
-		return nil, -1, err
+		return nil, err
 	}
 	var (
-		cred  *unix.Ucred
-		pidfd = -1
-		cerr  error
+		cred *unix.Ucred
+		cerr error
 	)
 	err = raw.Control(func(fd uintptr) {
 		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) //nolint:gosec // fds fit in int
-		if cerr == nil {
-			if v, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PEERPIDFD); err == nil { //nolint:gosec // fds fit in int
-				pidfd = v
-			}
-		}
 	})
 	if err == nil {
 		err = cerr
 	}
 	if err != nil {
-		if pidfd >= 0 {
-			_ = unix.Close(pidfd)
-		}
-		return nil, -1, fmt.Errorf("SO_PEERCRED: %w", err)
+		return nil, fmt.Errorf("SO_PEERCRED: %w", err)
 	}
 	if cred.Pid <= 0 {
-		if pidfd >= 0 {
-			_ = unix.Close(pidfd)
-		}
-		return nil, -1, errors.New("the caller's pid is not visible from the enforcer's pid namespace")
+		return nil, errors.New("the caller's pid is not visible from the enforcer's pid namespace")
 	}
-	return cred, pidfd, nil
+	return cred, nil
+}
+
+// peerPidfd returns a pidfd of the very process that connected
+// (SO_PEERPIDFD, Linux >= 6.5), or an error where the kernel has none. A pid
+// number is never turned into a pidfd: by then the process may have exited
+// and the number may name a process of another instance.
+func peerPidfd(conn *net.UnixConn) (int, error) {
+	raw, err := conn.SyscallConn()
+	if err != nil {
+		return -1, err
+	}
+	pidfd := -1
+	cerr := raw.Control(func(fd uintptr) {
+		pidfd, err = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PEERPIDFD) //nolint:gosec // fds fit in int
+	})
+	if cerr != nil {
+		return -1, cerr
+	}
+	if err != nil {
+		return -1, fmt.Errorf("SO_PEERPIDFD: %w", err)
+	}
+	return pidfd, nil
 }
 
 // sentPidfd establishes the caller's pidfd on Linux < 6.5, where the

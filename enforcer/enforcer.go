@@ -48,7 +48,7 @@ const (
 	DefaultMaxActiveTick = 4 * time.Millisecond   // longest interval then (what the arbiter cannot foresee is noticed within it)
 	DefaultIdleTick      = 5 * time.Millisecond   // processes attached, none active
 	DefaultDormantTick   = 250 * time.Millisecond // no process attached
-	DefaultAttachTimeout = 100 * time.Millisecond // a request must arrive, and its reply leave, within it
+	DefaultAttachTimeout = 500 * time.Millisecond // a request must arrive, and its reply leave, within it (a silent client holds one of its instance's attachActivePerKey that long)
 	DefaultSweep         = time.Second
 )
 
@@ -99,22 +99,24 @@ func WithAttachTimeout(d time.Duration) Option { return func(o *options) { o.att
 
 // Enforcer serves one device.
 type Enforcer struct {
-	o        options
-	cfg      *config.Config
-	index    int
-	dev      device.Info
-	runDir   string
-	regions  string
-	view     *region.View // read-only view of regions: what processes get
-	nvml     nvml.Interface
-	backstop *backstop.Watcher // nil: off
-	statePth string
-	lock     *os.File
-	bootID   string
-	bootTime time.Time // zero when unknown
-	selfNS   uint64
-	selfCgs  []string
-	started  time.Time
+	o       options
+	cfg     *config.Config
+	index   int
+	dev     device.Info
+	runDir  string
+	regions string
+	view    *region.View // read-only view of regions: what processes get
+	// attachLim is the attach server's budgets (set before it serves).
+	attachLim *attachLimiter
+	nvml      nvml.Interface
+	backstop  *backstop.Watcher // nil: off
+	statePth  string
+	lock      *os.File
+	bootID    string
+	bootTime  time.Time // zero when unknown
+	selfNS    uint64
+	selfCgs   []string
+	started   time.Time
 	// releasedGPU is the measured GPU time of the instances released since
 	// the enforcer started (the device's busy total keeps it).
 	releasedGPU uint64

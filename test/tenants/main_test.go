@@ -31,6 +31,7 @@ const envRole = "MGPU_TENANT_ROLE"
 const (
 	roleTamper  = "tamper"  // attach, try every way to a writable mapping, print the results, hold
 	roleGarbage = "garbage" // attach, then write random values into the own slot until killed
+	roleFlood   = "flood"   // hold 1,024 silent connections to the client socket, reopening each one dropped
 )
 
 func TestMain(m *testing.M) {
@@ -39,6 +40,8 @@ func TestMain(m *testing.M) {
 		os.Exit(m.Run())
 	case roleTamper, roleGarbage:
 		os.Exit(hostile(r))
+	case roleFlood:
+		os.Exit(floodSocket(1024))
 	default:
 		fmt.Fprintf(os.Stderr, "unknown %s=%q\n", envRole, r)
 		os.Exit(2)

@@ -185,7 +185,7 @@ typedef struct mgpu_control {
  * process holds the connection at sock_fd (pidfd_getfd; the server shuts
  * that end's writing down, which the client no longer needs, and sees the
  * end of its own read).  A pid number is never looked up after the fact.  A newer server
- * closes the descriptor unread.  The request must arrive within 100 ms of
+ * closes the descriptor unread.  The request must arrive within 500 ms of
  * the server taking up the connection, and each instance (or caller of no
  * instance, by pid namespace or cgroup) has its own budget of connections
  * served and waiting: beyond it a connection is answered at once with a
