@@ -60,7 +60,7 @@ static const mgpu_entry mgpu_entries[] = {
 	OFF(mgpu_attach_req_t, magic),
 	OFF(mgpu_attach_req_t, version),
 	OFF(mgpu_attach_req_t, flags),
-	OFF(mgpu_attach_req_t, reserved),
+	OFF(mgpu_attach_req_t, sock_fd),
 
 	SIZE(mgpu_attach_resp_t),
 	OFF(mgpu_attach_resp_t, magic),
