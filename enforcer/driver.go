@@ -47,6 +47,7 @@ func (e *Enforcer) openBackstop() error {
 		backstop.WithWindow(bc.Window),
 		backstop.WithComputeTolerance(bc.ComputeTolerance),
 		backstop.WithMemoryAllowance(bc.MemoryAllowance()),
+		backstop.WithAllowanceProcesses(bc.MemoryAllowanceProcesses),
 		backstop.WithKiller(backstop.NewPidfdKiller()),
 		backstop.WithLogger(e.o.log),
 	}
