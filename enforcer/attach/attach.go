@@ -171,7 +171,7 @@ func DecodeResponse(b []byte) (Response, error) {
 	if m := le.Uint32(b[0:]); m != Magic {
 		return Response{}, fmt.Errorf("bad attach response: magic %#x", m)
 	}
-	msg := b[32 : 32+MessageLen]
+	msg := b[32 : 32+MessageLen-1] // the last byte is the terminator: the shim reads no further
 	if i := bytes.IndexByte(msg, 0); i >= 0 {
 		msg = msg[:i]
 	}
