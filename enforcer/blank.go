@@ -18,7 +18,8 @@ const blankName = ".blank"
 // blank region made ahead of time (a rename and a header: what a create
 // waits for when a container starts) or, when none is ready, makes one
 // there. Create starts making the next blank region once the state is
-// written (its files would otherwise share the state's journal commit).
+// written (its control file would otherwise share the state's journal
+// commit).
 func (e *Enforcer) newRegionLocked(path string, p region.Params) (*region.Region, error) {
 	if b := e.blank; b != nil {
 		e.blank = nil

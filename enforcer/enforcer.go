@@ -128,8 +128,7 @@ type Enforcer struct {
 	byID       map[int]*instance
 	list       []*instance // by id
 	byCID      map[string]*instance
-	byWD       map[int]*instance // inotify watch -> instance
-	gen        uint64            // bumped when an instance comes or goes
+	gen        uint64 // bumped when an instance comes or goes
 	attrs      map[int]attribution
 	watches    map[int]watchRef // pidfd -> what it watches
 	arb        *arbiter.Arbiter
@@ -182,7 +181,6 @@ func New(cfg *config.Config, index int, opts ...Option) (*Enforcer, error) {
 		statePth: filepath.Join(cfg.DeviceStateDir(index), StateFileName),
 		byID:     map[int]*instance{},
 		byCID:    map[string]*instance{},
-		byWD:     map[int]*instance{},
 		epfd:     newEpoll(),
 		attrs:    map[int]attribution{},
 		watches:  map[int]watchRef{},

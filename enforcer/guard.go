@@ -1,18 +1,35 @@
 package enforcer
 
 import (
+	"fmt"
 	"runtime/debug"
 )
 
-// guard runs f, which touches mapped regions, with e.mu held. Every process
-// of an instance holds a writable descriptor of its own proc file (a shared
-// writable mapping needs one), so it can truncate the file; inotify tells
-// the enforcer at once (watch.go), but an access beyond the new end before
-// that faults (SIGBUS). guard turns such a fault into a panic
-// (debug.SetPanicOnFault), recovers it, restores the size of every
-// truncated file and releases its instance: a process can break only its
-// own instance, never the enforcer. Other panics propagate.
+// guard runs f, which touches mapped regions, with e.mu held, and reports
+// whether an access of f faulted.
+//
+// What a process can write cannot fault the enforcer's mappings but in one
+// case. A slot is a sealed memfd (region.Renew): no descriptor can shrink
+// it, and its page was allocated when it was made. But a process can punch
+// a hole in its own slot (FALLOC_FL_PUNCH_HOLE; only a write seal, which
+// would forbid its own writable mapping, stops that): the page is freed,
+// and the enforcer's next access needs a new one, which the kernel refuses
+// with SIGBUS when the host runs strict overcommit (vm.overcommit_memory =
+// 2) at its commit limit. guard turns such a fault into a panic
+// (debug.SetPanicOnFault), recovers it and releases the instance whose slot
+// the address is in: a process can break only its own instance. A fault
+// elsewhere, and any other panic, propagates.
 func (e *Enforcer) guard(f func()) (faulted bool) {
+	addr, faulted := fault(f)
+	if faulted {
+		e.releaseFaultedLocked(addr)
+	}
+	return faulted
+}
+
+// fault runs f with memory faults turned into panics, and recovers the
+// panic of one: it returns the faulting address. Other panics propagate.
+func fault(f func()) (addr uintptr, faulted bool) {
 	old := debug.SetPanicOnFault(true)
 	defer debug.SetPanicOnFault(old)
 	defer func() {
@@ -20,27 +37,25 @@ func (e *Enforcer) guard(f func()) (faulted bool) {
 		if r == nil {
 			return
 		}
-		if _, ok := r.(interface{ Addr() uintptr }); !ok {
+		a, ok := r.(interface{ Addr() uintptr })
+		if !ok {
 			panic(r)
 		}
-		faulted = true
-		e.repairLocked()
+		addr, faulted = a.Addr(), true
 	}()
 	f()
-	return false
+	return 0, false
 }
 
-// repairLocked restores truncated regions and releases their instances.
-func (e *Enforcer) repairLocked() {
-	for _, in := range append([]*instance(nil), e.list...) {
-		if in.reg.Intact() {
-			continue
+// releaseFaultedLocked releases the instance whose slot holds addr.
+func (e *Enforcer) releaseFaultedLocked(addr uintptr) {
+	for _, in := range e.list {
+		if slot, ok := in.reg.SlotAt(addr); ok {
+			e.o.log.Warn("an access to a process's slot faulted (it punched a hole in it, and the kernel cannot back the page again); releasing the instance",
+				"instance", in.name, "container", in.containerID, "slot", slot, "pid", in.reg.Proc(slot).PID.Load())
+			e.releaseLocked(in, "an access to a slot of one of its processes faulted")
+			return
 		}
-		if err := in.reg.Repair(); err != nil {
-			e.o.log.Error("restore the size of a truncated region", "instance", in.name, "err", err)
-			continue
-		}
-		e.o.log.Warn("a process truncated its instance's region; releasing the instance", "instance", in.name, "container", in.containerID)
-		e.releaseLocked(in, "one of its processes truncated its region")
 	}
+	panic(fmt.Sprintf("memory fault at %#x, in no slot of a region", addr))
 }

@@ -282,8 +282,10 @@ func mapAttach(t testing.TB, res *attach.Result) (*region.Layout, region.Proc) {
 	return l, region.Proc{Slot: &l.Slots[res.Slot], Counters: (*region.Counters)(unsafe.Pointer(&own[0]))}
 }
 
-// openRegion maps a region directly from the run directory (as root on
-// the host, not as a process of the instance would).
+// openRegion maps a region as root on the host (not as a process of the
+// instance would): its control file from the run directory, and the slots'
+// memfds from the processes that hold them (their owners), as a restarted
+// enforcer finds them.
 func openRegion(t testing.TB, dir string) *region.Region {
 	t.Helper()
 	r, err := region.Open(dir)
@@ -291,7 +293,32 @@ func openRegion(t testing.TB, dir string) *region.Region {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = r.Close() })
+	var holders []region.Holder
+	for i := range region.MaxProcs {
+		if pid := int(r.Proc(i).PID.Load()); pid != 0 {
+			fd, err := unix.PidfdOpen(pid, 0)
+			if err != nil {
+				continue
+			}
+			t.Cleanup(func() { _ = unix.Close(fd) })
+			holders = append(holders, region.Holder{PID: pid, PidFD: fd})
+		}
+	}
+	r.Recover(holders)
 	return r
+}
+
+// claim takes slot i of in for pid as an attach does: the slot gets its
+// memfd, then its owner.
+func claim(t testing.TB, in *instance, i, pid int) region.Proc {
+	t.Helper()
+	if err := in.reg.Prepare(i); err != nil {
+		t.Fatal(err)
+	}
+	p := in.reg.Proc(i)
+	p.Claim(uint32(pid), 1) //nolint:gosec // a pid
+	in.setUsed(i)
+	return p
 }
 
 func mapFile(t testing.TB, f *os.File, size, prot int) []byte {

@@ -51,7 +51,6 @@ type instance struct {
 	// most GPU time one process may report queued.
 	sane [region.MaxProcs]sane
 	qcap uint64
-	wd   int // inotify watch of the region directory; -1 when none
 
 	lastGPU      uint64
 	lastLaunches uint64
@@ -77,7 +76,7 @@ type watchRef struct {
 }
 
 func newInstance() *instance {
-	in := &instance{rootFD: -1, wd: -1, wakeRecv: -1, wakeSend: -1}
+	in := &instance{rootFD: -1, wakeRecv: -1, wakeSend: -1}
 	for i := range in.slotFD {
 		in.slotFD[i] = -1
 	}
@@ -483,7 +482,6 @@ func (in *instance) maxQueued() time.Duration {
 
 func (e *Enforcer) insertLocked(in *instance) {
 	e.gen++
-	e.watchRegionLocked(in)
 	e.byID[in.id] = in
 	if in.containerID != "" {
 		e.byCID[in.containerID] = in
@@ -529,7 +527,6 @@ func (e *Enforcer) releaseLocked(in *instance, why string) {
 	}
 	in.closeFDs()
 	e.closeWakeLocked(in)
-	e.unwatchRegionLocked(in)
 	e.guard(func() { in.reg.SetGrant(0) })
 	_ = in.reg.Close()
 	if err := region.Remove(in.path); err != nil {

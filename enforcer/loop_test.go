@@ -208,8 +208,7 @@ func benchEnforcer(b *testing.B, n int) *Enforcer {
 	e.mu.Lock()
 	for k, in := range e.list {
 		for s := range 4 {
-			in.reg.Proc(s).Claim(uint32(os.Getpid()), 1)
-			in.setUsed(s)
+			claim(b, in, s, os.Getpid())
 		}
 		in.reg.Proc(0).Waiting.Store(uint32(k % 2))
 	}
@@ -277,9 +276,7 @@ func TestTickFollowsNextDecision(t *testing.T) {
 			}
 			e.mu.Lock()
 			in := e.list[0]
-			p := in.reg.Proc(0)
-			p.Claim(uint32(os.Getpid()), 1)
-			in.setUsed(0)
+			p := claim(t, in, 0, os.Getpid())
 			l := in.reg.L()
 			e.mu.Unlock()
 

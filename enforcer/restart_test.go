@@ -2,15 +2,24 @@ package enforcer
 
 import (
 	"bytes"
+	"fmt"
+	"io/fs"
+	"log/slog"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/enforcer/attach"
+	"github.com/mgpu-dev/mgpu/enforcer/region"
 )
 
 // daemon is mgpu-enforcer (Command) running in a subprocess: the test
@@ -198,4 +207,149 @@ func TestPolicyChangeWaitsForEmpty(t *testing.T) {
 	if dev, _ := c.Device(ctx); dev.Policy != "guaranteed-burst-share" {
 		t.Fatalf("after reload: %+v", dev)
 	}
+}
+
+// TestRestoreUnderResizeStorm: a process holding its slot's writable
+// descriptor tries to shrink and grow it as fast as it can while the
+// enforcer is closed and made again, restoreIterations times (in process,
+// New and Close: New restores, as a restarted enforcer does; test/tenants
+// kills and restarts real enforcers). Every attempt is refused (the slot
+// is a sealed memfd), the enforcer never faults (it would take this test
+// process with it), restores both instances with their processes and
+// counters every time, the neighbour's grant works afterwards, and the run
+// directory does not grow.
+func TestRestoreUnderResizeStorm(t *testing.T) {
+	const restoreIterations = 1000
+	env := newEnv(t, nil)
+	var logs syncBuffer
+	quiet := WithLogger(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn})))
+	_, stop := env.start(t, quiet)
+	c := env.client()
+	if _, err := c.Create(ctx, tree(os.Getpid(), 40, 2048)); err != nil {
+		t.Fatal(err)
+	}
+	sock := api.ClientSocket(env.runDir())
+	res, err := attach.Dial(sock, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	own, err := unix.FcntlInt(res.Own.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(own)
+	slot := int(res.Slot)
+	_, p := mapAttach(t, res)
+	p.GPUNs.Store(7e6)
+	p.MemReserved.Store(512 << 20)
+	h := startHelper(t, sock, nil) // the honest neighbour
+	if _, err := c.Create(ctx, tree(h.cmd.Process.Pid, 30, 100)); err != nil {
+		t.Fatal(err)
+	}
+	if line := h.attach(t); line != "ok slot=0 instance=1" {
+		t.Fatalf("helper: %s", line)
+	}
+	stop()
+	before := duBytes(t, env.runDir())
+
+	var attempts, resized atomic.Int64
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			for _, err := range []error{
+				unix.Ftruncate(own, 0),
+				unix.Ftruncate(own, 64<<20),
+				unix.Fallocate(own, 0, 0, 64<<20),
+				unix.Ftruncate(own, region.ProcFileSize/2),
+			} {
+				attempts.Add(1)
+				if err == nil {
+					resized.Add(1)
+				}
+			}
+		}
+	}()
+	t0 := time.Now()
+	most := before
+	for i := range restoreIterations {
+		e, err := New(env.cfg, 0, quiet)
+		if err != nil {
+			t.Fatalf("restore %d: %v\n%s", i, err, logs.String())
+		}
+		e.mu.Lock()
+		var got []string
+		var gpu, mem uint64
+		for _, in := range e.list {
+			got = append(got, fmt.Sprintf("%s:%d", in.name, in.nused))
+		}
+		if len(e.list) == 2 && e.list[0].slotUsed(slot) {
+			pa := e.list[0].reg.Proc(slot)
+			gpu, mem = pa.GPUNs.Load(), pa.MemReserved.Load()
+		}
+		e.mu.Unlock()
+		e.Close()
+		if strings.Join(got, " ") != "mgpu0inst0:1 mgpu0inst1:1" || gpu != 7e6 || mem != 512<<20 {
+			t.Fatalf("restore %d: instances %v, slot %d: gpu_ns %d, mem_reserved %d\n%s", i, got, slot, gpu, mem, logs.String())
+		}
+		if i%50 == 0 {
+			most = max(most, duBytes(t, env.runDir()))
+		}
+	}
+	took := time.Since(t0)
+	close(done)
+	wg.Wait()
+	after := duBytes(t, env.runDir())
+	most = max(most, after)
+	t.Logf("%d restores in %v (%v each) under %d resize attempts; run directory %d bytes before, %d at most, %d after",
+		restoreIterations, took.Round(time.Millisecond), (took / restoreIterations).Round(time.Microsecond), attempts.Load(), before, most, after)
+	if n := resized.Load(); n != 0 {
+		t.Fatalf("%d of %d resize attempts succeeded", n, attempts.Load())
+	}
+	if most > before+16<<10 {
+		t.Fatalf("the run directory grew from %d to %d bytes", before, most)
+	}
+	for _, bad := range []string{"fault", "no more", "unusable", "level=ERROR"} {
+		if strings.Contains(logs.String(), bad) {
+			t.Fatalf("the enforcer's log has %q:\n%s", bad, logs.String())
+		}
+	}
+	// A running enforcer after all that: both instances, the counters, and
+	// the neighbour's grant when it waits.
+	env.start(t, quiet)
+	st, err := c.Stats(ctx)
+	if err != nil || len(st) != 2 || st[0].GPUNs != 7e6 || st[0].MemoryUsedBytes != 512<<20 || len(st[1].Processes) != 1 {
+		t.Fatalf("stats %+v, %v", st, err)
+	}
+	nb := openRegion(t, env.runDir()+"/regions/mgpu0inst1")
+	nb.Proc(0).Waiting.Store(1)
+	eventually(t, 5*time.Second, "the neighbour's grant", func() bool { return nb.L().Grant.Load() != 0 })
+	h.exit()
+}
+
+// duBytes is the space the files under dir take (st_blocks), as du counts.
+func duBytes(t testing.TB, dir string) int64 {
+	t.Helper()
+	var n int64
+	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		var st unix.Stat_t
+		if err := unix.Lstat(path, &st); err == nil {
+			n += st.Blocks * 512
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
 }

@@ -12,12 +12,14 @@ import (
 	"github.com/mgpu-dev/mgpu/enforcer/region"
 	"github.com/mgpu-dev/mgpu/internal/config"
 	"github.com/mgpu-dev/mgpu/internal/fsutil"
+	"golang.org/x/sys/unix"
 )
 
 // restore loads the instance table and re-adopts every instance whose
 // processes live: its region is re-opened (or made anew when it is gone),
-// enforcer_epoch is bumped, live slots are watched again and dead ones
-// reaped. A device whose config changed its settings keeps the ones its
+// enforcer_epoch is bumped, the slots' memfds are found again in the
+// processes that hold them (or made anew), live slots are watched again
+// and dead ones reaped. A device whose config changed its settings keeps the ones its
 // instances run under until it is empty.
 func (e *Enforcer) restore() error {
 	st, err := loadState(e.statePth, e.index)
@@ -109,27 +111,11 @@ func (e *Enforcer) adopt(si stateInstance, sameBoot bool) error {
 	}
 	in.reg = reg
 	reg.L().EnforcerEpoch.Add(1)
-	for i := range region.MaxProcs {
-		p := reg.Proc(i)
-		pid := int(p.PID.Load())
-		if pid == 0 {
-			continue
-		}
-		if sameBoot {
-			if fd, err := e.pidfd(pid, p.StartTime.Load()); err == nil {
-				in.setUsed(i)
-				in.sane[i] = sane{trusted: true} // its counters so far, as they are
-				in.slotFD[i] = fd
-				e.watches[fd] = watchRef{in: in, slot: i}
-				if err := e.w.add(fd); err != nil {
-					e.o.log.Warn("watch process", "pid", pid, "err", err)
-				}
-				continue
-			}
-		}
-		in.sane[i] = sane{trusted: true}
-		e.fold(in, i)
-		p.Clear()
+	if !e.adoptSlots(in, sameBoot) {
+		_ = reg.Close()
+		_ = region.Remove(in.path)
+		e.o.log.Info("released", "instance", in.name, "container", in.containerID, "reason", "an access to a slot of one of its processes faulted")
+		return nil
 	}
 	if rootAlive {
 		if fd, err := e.pidfd(in.pid, in.startTime); err == nil {
@@ -154,6 +140,79 @@ func (e *Enforcer) adopt(si stateInstance, sameBoot bool) error {
 	e.insertLocked(in)
 	e.o.log.Info("restored", "instance", in.name, "container", in.containerID, "processes", in.nused)
 	return nil
+}
+
+// adoptSlots gives the slots of in's re-opened region their memory and
+// watches their live processes again. The slots' memfds died with the
+// previous enforcer; a live attached process still maps its own (and those
+// of the peers it asked for), so each is found again where the slots'
+// live owners hold it (region.Recover); a slot found nowhere is held by
+// no process, and gets a new memfd when one attaches to it. A live process
+// whose slot's memfd is found nowhere (it unmapped it) is reaped as if it
+// had exited; so is every dead one. Reaping reads and clears a slot that
+// processes may map, under fault (guard says when that can fault): if it
+// faults, the instance is released and adoptSlots reports false.
+func (e *Enforcer) adoptSlots(in *instance, sameBoot bool) bool {
+	reg := in.reg
+	live := map[int]int{} // slot -> pidfd
+	var holders []region.Holder
+	for i := range region.MaxProcs {
+		p := reg.Proc(i)
+		if pid := int(p.PID.Load()); pid != 0 && sameBoot {
+			if fd, err := e.pidfd(pid, p.StartTime.Load()); err == nil {
+				live[i] = fd
+				holders = append(holders, region.Holder{PID: pid, PidFD: fd})
+			}
+		}
+	}
+	found := map[int]bool{}
+	for _, i := range reg.Recover(holders) {
+		found[i] = true
+	}
+	var keep, reap []int
+	for i := range region.MaxProcs {
+		pid := reg.Proc(i).PID.Load()
+		switch fd, ok := live[i]; {
+		case pid == 0:
+		case ok && found[i]:
+			keep = append(keep, i)
+		case ok:
+			_ = unix.Close(fd)
+			delete(live, i)
+			e.o.log.Warn("a live process holds its slot's memory no more; its slot is reaped as if it had exited",
+				"instance", in.name, "container", in.containerID, "slot", i, "pid", pid)
+			reap = append(reap, i)
+		default:
+			reap = append(reap, i)
+		}
+	}
+	if _, faulted := fault(func() {
+		for _, i := range reap {
+			if reg.Proc(i).Counters != nil { // found in a peer: its last counters
+				in.sane[i] = sane{trusted: true}
+				e.fold(in, i)
+			}
+			reg.Proc(i).Clear()
+		}
+	}); faulted {
+		for _, fd := range live {
+			_ = unix.Close(fd)
+		}
+		e.o.log.Warn("an access to a slot faulted while the instance's dead processes were reaped; releasing the instance",
+			"instance", in.name, "container", in.containerID)
+		return false
+	}
+	for _, i := range keep {
+		fd := live[i]
+		in.setUsed(i)
+		in.sane[i] = sane{trusted: true} // its counters so far, as they are
+		in.slotFD[i] = fd
+		e.watches[fd] = watchRef{in: in, slot: i}
+		if err := e.w.add(fd); err != nil {
+			e.o.log.Warn("watch process", "pid", reg.Proc(i).PID.Load(), "err", err)
+		}
+	}
+	return true
 }
 
 // removeStrayRegions deletes regions of no instance (a crash between

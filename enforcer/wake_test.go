@@ -137,11 +137,7 @@ func testFillWords(t *testing.T, sw string, fill uint32) {
 	}
 	e.mu.Lock()
 	on, off := e.list[0], e.list[1]
-	po, pf := on.reg.Proc(0), off.reg.Proc(0)
-	po.Claim(uint32(os.Getpid()), 1)  //nolint:gosec // a pid
-	pf.Claim(uint32(os.Getppid()), 1) //nolint:gosec // a pid
-	on.setUsed(0)
-	off.setUsed(0)
+	po, pf := claim(t, on, 0, os.Getpid()), claim(t, off, 0, os.Getppid())
 	lo, lf := on.reg.L(), off.reg.L()
 	e.mu.Unlock()
 
@@ -212,9 +208,7 @@ func TestMissedWake(t *testing.T) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	on := e.list[0]
-	p := on.reg.Proc(0)
-	p.Claim(uint32(os.Getpid()), 1) //nolint:gosec // a pid
-	on.setUsed(0)
+	p := claim(t, on, 0, os.Getpid())
 	for _, tc := range []struct {
 		what          string
 		old, word     uint32

@@ -1,23 +1,18 @@
 package enforcer
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/mgpu-dev/mgpu/enforcer/region"
 )
 
 // watcher waits, with epoll, for pidfds to become readable (their process
-// exited) and for inotify to report a region's file resized. An eventfd
-// wakes it for shutdown.
+// exited). An eventfd wakes it for shutdown.
 type watcher struct {
-	ep, ev, ino int
+	ep, ev int
 }
 
 func newWatcher() (*watcher, error) {
@@ -30,16 +25,8 @@ func newWatcher() (*watcher, error) {
 		_ = unix.Close(ep)
 		return nil, fmt.Errorf("eventfd: %w", err)
 	}
-	w := &watcher{ep: ep, ev: ev, ino: -1}
+	w := &watcher{ep: ep, ev: ev}
 	if err := w.add(ev); err != nil {
-		w.close()
-		return nil, err
-	}
-	if w.ino, err = unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK); err != nil {
-		w.close()
-		return nil, fmt.Errorf("inotify_init1: %w", err)
-	}
-	if err := w.add(w.ino); err != nil {
 		w.close()
 		return nil, err
 	}
@@ -61,9 +48,6 @@ func (w *watcher) stop() {
 }
 
 func (w *watcher) close() {
-	if w.ino >= 0 {
-		_ = unix.Close(w.ino)
-	}
 	_ = unix.Close(w.ev)
 	_ = unix.Close(w.ep)
 }
@@ -83,12 +67,8 @@ func (e *Enforcer) watch(ctx context.Context) {
 		}
 		exited = exited[:0]
 		for _, ev := range events[:max(n, 0)] {
-			switch int(ev.Fd) {
-			case e.w.ev:
+			if int(ev.Fd) == e.w.ev {
 				return
-			case e.w.ino:
-				e.resized()
-				continue
 			}
 			exited = append(exited, int(ev.Fd))
 		}
@@ -157,7 +137,8 @@ func (e *Enforcer) sweep() bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	changed := false
-	// A region fault during the sweep repairs state, which is a change too.
+	// A slot's fault during the sweep releases an instance, which is a
+	// change too.
 	faulted := e.guard(func() { changed = e.sweepLocked() })
 	return changed || faulted
 }
@@ -182,63 +163,4 @@ func (e *Enforcer) sweepLocked() bool {
 		}
 	}
 	return changed
-}
-
-// A process holds a writable descriptor of its own proc file, so it can
-// resize it: shrunk, the enforcer's next access faults (guard); grown, it
-// takes the node's /run memory. inotify reports either at once (IN_MODIFY
-// comes with truncate and fallocate, never with the writes through a
-// mapping that the shim makes), and the file gets its size back.
-
-// watchRegionLocked asks inotify about in's region directory.
-func (e *Enforcer) watchRegionLocked(in *instance) {
-	wd, err := unix.InotifyAddWatch(e.w.ino, in.path, unix.IN_MODIFY)
-	if err != nil {
-		e.o.log.Warn("watch the region for resizing", "instance", in.name, "err", err)
-		return
-	}
-	in.wd = wd
-	e.byWD[wd] = in
-}
-
-// unwatchRegionLocked forgets in's inotify watch.
-func (e *Enforcer) unwatchRegionLocked(in *instance) {
-	if in.wd >= 0 {
-		_, _ = unix.InotifyRmWatch(e.w.ino, uint32(in.wd)) //nolint:gosec // a watch descriptor
-		delete(e.byWD, in.wd)
-		in.wd = -1
-	}
-}
-
-// resized reads inotify's events and restores the size of every proc file
-// they name that no longer has it.
-func (e *Enforcer) resized() {
-	var buf [64 * (unix.SizeofInotifyEvent + unix.NAME_MAX + 1)]byte
-	for {
-		n, err := unix.Read(e.w.ino, buf[:])
-		if n <= 0 || err != nil {
-			return
-		}
-		e.mu.Lock()
-		for off := 0; off+unix.SizeofInotifyEvent <= n; {
-			ev := (*unix.InotifyEvent)(unsafe.Pointer(&buf[off])) //nolint:gosec // the kernel's record
-			name := buf[off+unix.SizeofInotifyEvent : off+unix.SizeofInotifyEvent+int(ev.Len)]
-			off += unix.SizeofInotifyEvent + int(ev.Len)
-			in := e.byWD[int(ev.Wd)]
-			var slot int
-			if in == nil || ev.Mask&unix.IN_MODIFY == 0 {
-				continue
-			}
-			if _, err := fmt.Sscanf(string(bytes.TrimRight(name, "\x00")), "proc.%03d", &slot); err != nil || slot < 0 || slot >= region.MaxProcs || in.reg.ProcIntact(slot) {
-				continue
-			}
-			if err := in.reg.Repair(); err != nil {
-				e.o.log.Error("restore the size of a resized proc file", "instance", in.name, "slot", slot, "err", err)
-				continue
-			}
-			e.o.log.Warn("a process of the instance resized its proc file; its size is restored",
-				"instance", in.name, "container", in.containerID, "slot", slot, "pid", in.reg.Proc(slot).PID.Load())
-		}
-		e.mu.Unlock()
-	}
 }

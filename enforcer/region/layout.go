@@ -1,9 +1,11 @@
 // Package region mirrors the per-instance shared region of
 // enforcer/shim/include/mgpu_region.h in Go: the layout (as Go structs whose
-// offsets a test checks against the C header), creating and opening the
-// region's files, mapping them, handing their descriptors to a process
-// (read-only where the process must not write), atomic access to their
-// shared words, and waking the futex waiters of the grant word.
+// offsets a test checks against the C header), creating and opening a
+// region (its control file and its slots' sealed memfds), mapping them,
+// finding a slot's memfd again in the processes that hold it after an
+// enforcer restart, handing descriptors to a process (read-only where the
+// process must not write), atomic access to their shared words, and waking
+// the futex waiters of the grant word.
 package region
 
 import (
@@ -14,13 +16,13 @@ import (
 // Constants of mgpu_region.h.
 const (
 	Magic           uint32 = 0x5550474d // MGPU_REGION_MAGIC, "MGPU" little-endian
-	Version         uint32 = 2          // MGPU_REGION_VERSION
+	Version         uint32 = 3          // MGPU_REGION_VERSION
 	MaxProcs               = 128        // MGPU_REGION_MAX_PROCS
-	ControlFileSize        = 4096       // MGPU_CONTROL_FILE_SIZE, bytes
+	ControlFileSize        = 8192       // MGPU_CONTROL_FILE_SIZE, bytes
 	ProcFileSize           = 4096       // MGPU_PROC_FILE_SIZE, bytes
 
 	HeaderSize = 256 // bytes of the control file before slots[0]
-	SlotSize   = 16  // sizeof(mgpu_slot_t)
+	SlotSize   = 32  // sizeof(mgpu_slot_t)
 	ProcSize   = 64  // sizeof(mgpu_proc_t)
 )
 
@@ -43,16 +45,21 @@ const (
 	WakeIdle uint32 = 2
 )
 
-// Slot mirrors mgpu_slot_t: the owner of a process slot, in the control
-// file, written by the enforcer only.
+// Slot mirrors mgpu_slot_t: the owner of a process slot and the identity
+// of the slot's memfd, in the control file, written by the enforcer only.
 type Slot struct {
 	PID       atomic.Uint32 // host pid owning the slot; 0 = free
 	Reserved  uint32
 	StartTime atomic.Uint64 // /proc/<pid>/stat starttime (clock ticks), written before PID
+	// ProcDev and ProcIno are the st_dev and st_ino of the slot's proc
+	// memfd: how a restarted enforcer recognises it among the mappings and
+	// descriptors of the instance's processes (Recover).
+	ProcDev atomic.Uint64
+	ProcIno atomic.Uint64
 }
 
 // Counters mirrors mgpu_proc_t: what one attached process reports, in its
-// own proc file. Every value is untrusted input.
+// own proc memfd. Every value is untrusted input.
 type Counters struct {
 	Waiting     atomic.Uint32 // threads blocked on the grant
 	Reserved32  uint32

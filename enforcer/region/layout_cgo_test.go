@@ -23,6 +23,8 @@ func TestLayoutMatchesHeader(t *testing.T) {
 		"mgpu_slot_t.pid":               uint64(unsafe.Offsetof(s.PID)),
 		"mgpu_slot_t.reserved":          uint64(unsafe.Offsetof(s.Reserved)),
 		"mgpu_slot_t.start_time":        uint64(unsafe.Offsetof(s.StartTime)),
+		"mgpu_slot_t.proc_dev":          uint64(unsafe.Offsetof(s.ProcDev)),
+		"mgpu_slot_t.proc_ino":          uint64(unsafe.Offsetof(s.ProcIno)),
 		"sizeof(mgpu_proc_t)":           uint64(unsafe.Sizeof(c)),
 		"mgpu_proc_t.waiting":           uint64(unsafe.Offsetof(c.Waiting)),
 		"mgpu_proc_t.reserved32":        uint64(unsafe.Offsetof(c.Reserved32)),

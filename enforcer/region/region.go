@@ -23,17 +23,26 @@ type Params struct {
 	MaxQueuedNs uint64
 }
 
-// Region is one mapped region: its control file and its proc files.
+// Region is one mapped region: its control file and its slots' memfds.
+//
+// A slot gets its memfd when a process first attaches to it (Prepare, from
+// TenantFDs) and keeps it for the region's life, so that the processes'
+// mappings of it never go stale; a restarted enforcer finds the memfds
+// again in the processes that hold them (Recover). A slot that never had a
+// process, or whose memfd nobody held any more across a restart, has none.
 type Region struct {
 	dir   string
 	ctl   []byte
 	l     *Layout
 	procs [MaxProcs][]byte
 	c     [MaxProcs]*Counters
+	// fds are the slots' memfds, kept to hand out (TenantFDs, PeerFDs);
+	// -1 for a slot that has none.
+	fds [MaxProcs]int
 }
 
 // Proc is slot i of a region: its owner (control file) and its counters
-// (the slot's proc file).
+// (the slot's memfd; nil while the slot has none).
 type Proc struct {
 	*Slot
 	*Counters
@@ -46,12 +55,26 @@ var ErrInvalid = errors.New("not a valid mgpu region")
 // ControlName is the name of the control file in a region directory.
 const ControlName = "control"
 
-// ProcName returns the name of slot i's proc file in a region directory.
-func ProcName(i int) string { return fmt.Sprintf("proc.%03d", i) }
+// procName is slot i's memfd's name (what /proc/<pid>/maps and fd show).
+func procName(i int) string { return fmt.Sprintf("%s%03d", procPrefix, i) }
+
+const procPrefix = "mgpu-proc."
+
+// sealed are the seals of every slot's memfd: it can neither shrink (the
+// mappings of the enforcer and the other processes would fault beyond the
+// new end) nor grow (host memory), and takes no further seal.
+const sealed = unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
+
+func newRegion(dir string) *Region {
+	r := &Region{dir: dir}
+	for i := range r.fds {
+		r.fds[i] = -1
+	}
+	return r
+}
 
 // Create makes a new region directory at dir (mode 0700; it must not
-// exist) with its control file filled from p and MaxProcs zeroed proc
-// files (all 0600), and maps them.
+// exist) with its control file (0600) filled from p, and maps it.
 func Create(dir string, p Params) (*Region, error) {
 	r, err := CreateBlank(dir)
 	if err != nil {
@@ -62,11 +85,10 @@ func Create(dir string, p Params) (*Region, error) {
 }
 
 // CreateBlank makes a region directory at dir (mode 0700; it must not
-// exist) with all its files, zeroed and mapped, but no header: no reader
-// takes it for a region until Install moves it into place and writes one.
-// Making the 129 files is what a create costs (3-9 ms here); an enforcer
-// makes a blank region ahead of time so that the create a container start
-// waits for is a rename.
+// exist) with its control file, zeroed and mapped, but no header: no
+// reader takes it for a region until Install moves it into place and
+// writes one. An enforcer makes a blank region ahead of time so that the
+// create a container start waits for is a rename.
 func CreateBlank(dir string) (*Region, error) {
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create region: %w", err)
@@ -95,24 +117,9 @@ func (r *Region) Install(dir string, p Params) error {
 }
 
 func create(dir string) (*Region, error) {
-	// Each file is created, sized and mapped through one descriptor,
-	// opened relative to the directory: opening each of the 129 files
-	// twice through os.OpenFile cost 8 ms here.
-	dfd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("open %s: %w", dir, err)
-	}
-	defer func() { _ = unix.Close(dfd) }()
-	r := &Region{dir: dir}
-	for i := range MaxProcs {
-		if r.procs[i], err = makeMapped(dfd, ProcName(i), ProcFileSize); err != nil {
-			_ = r.Close()
-			return nil, err
-		}
-		r.c[i] = (*Counters)(unsafe.Pointer(&r.procs[i][0]))
-	}
-	if r.ctl, err = makeMapped(dfd, ControlName, ControlFileSize); err != nil {
-		_ = r.Close()
+	r := newRegion(dir)
+	var err error
+	if r.ctl, err = makeControl(filepath.Join(dir, ControlName)); err != nil {
 		return nil, err
 	}
 	r.l = (*Layout)(unsafe.Pointer(&r.ctl[0]))
@@ -120,8 +127,8 @@ func create(dir string) (*Region, error) {
 }
 
 // fill writes the header of a blank region, magic last. Processes map the
-// same pages, so a store is visible at once; the files live in the run
-// directory (tmpfs on a node), so nothing is written back.
+// same pages, so a store is visible at once; the control file lives in the
+// run directory (tmpfs on a node), so nothing is written back.
 func (r *Region) fill(p Params) {
 	l := r.l
 	l.Version = Version
@@ -138,52 +145,147 @@ func (r *Region) fill(p Params) {
 	atomic.StoreUint32(&l.Magic, Magic)
 }
 
-// makeMapped creates name in the directory dfd (0600, it must not exist),
+// makeControl creates the control file at path (0600, it must not exist),
 // sizes it and maps it shared.
-func makeMapped(dfd int, name string, size int) ([]byte, error) {
-	fd, err := unix.Openat(dfd, name, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_CLOEXEC, 0o600)
+func makeControl(path string) ([]byte, error) {
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_CLOEXEC, 0o600)
 	if err != nil {
-		return nil, fmt.Errorf("create %s: %w", name, err)
+		return nil, fmt.Errorf("create %s: %w", ControlName, err)
 	}
 	defer func() { _ = unix.Close(fd) }()
-	if err := unix.Ftruncate(fd, int64(size)); err != nil {
-		return nil, fmt.Errorf("size %s: %w", name, err)
+	if err := unix.Ftruncate(fd, ControlFileSize); err != nil {
+		return nil, fmt.Errorf("size %s: %w", ControlName, err)
 	}
-	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	mem, err := unix.Mmap(fd, 0, ControlFileSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
-		return nil, fmt.Errorf("mmap %s: %w", name, err)
+		return nil, fmt.Errorf("mmap %s: %w", ControlName, err)
 	}
 	return mem, nil
 }
 
-// Open maps an existing region directory and checks its header.
-func Open(dir string) (*Region, error) {
-	for i := -1; i < MaxProcs; i++ {
-		name, size := ControlName, int64(ControlFileSize)
-		if i >= 0 {
-			name, size = ProcName(i), ProcFileSize
-		}
-		st, err := os.Stat(filepath.Join(dir, name))
-		if err != nil {
-			if i < 0 && !errors.Is(err, os.ErrNotExist) {
-				return nil, fmt.Errorf("open region: %w", err)
-			}
-			if errors.Is(err, os.ErrNotExist) {
-				if _, derr := os.Stat(dir); derr != nil {
-					return nil, fmt.Errorf("open region: %w", derr)
-				}
-				return nil, fmt.Errorf("open region %q: %w: %s is missing", dir, ErrInvalid, name)
-			}
-			return nil, fmt.Errorf("open region: %w", err)
-		}
-		if !st.Mode().IsRegular() || st.Size() != size {
-			return nil, fmt.Errorf("open region %q: %w: %s has size %d, want %d", dir, ErrInvalid, name, st.Size(), size)
-		}
+// Prepare gives slot i a memfd, zeroed and mapped, unless it has one, and
+// records its identity in the control file (Slot.ProcDev, ProcIno).
+func (r *Region) Prepare(i int) error {
+	if r.fds[i] >= 0 {
+		return nil
 	}
-	r, err := mapDir(dir)
+	fd, err := newMemfd(procName(i))
 	if err != nil {
+		return err
+	}
+	var st unix.Stat_t
+	err = unix.Fstat(fd, &st)
+	if err == nil {
+		err = r.mapProc(i, fd)
+	}
+	if err != nil {
+		_ = unix.Close(fd)
+		return fmt.Errorf("%s: %w", procName(i), err)
+	}
+	s := &r.l.Slots[i]
+	s.ProcDev.Store(st.Dev)
+	s.ProcIno.Store(st.Ino)
+	return nil
+}
+
+// newMemfd makes a slot's memfd: ProcFileSize bytes, mode 0600, its page
+// allocated now (so that no access needs one later), then sealed.
+func newMemfd(name string) (int, error) {
+	const flags = unix.MFD_CLOEXEC | unix.MFD_ALLOW_SEALING
+	fd, err := unix.MemfdCreate(name, flags|unix.MFD_NOEXEC_SEAL)
+	if errors.Is(err, unix.EINVAL) { // before Linux 6.3
+		fd, err = unix.MemfdCreate(name, flags)
+	}
+	if err != nil {
+		return -1, fmt.Errorf("memfd_create %s: %w", name, err)
+	}
+	err = unix.Ftruncate(fd, ProcFileSize)
+	if err == nil {
+		err = unix.Fallocate(fd, 0, 0, ProcFileSize)
+	}
+	if err == nil {
+		// A memfd is 0777 (0666 with MFD_NOEXEC_SEAL): 0600 keeps a
+		// process without CAP_DAC_OVERRIDE over the enforcer's files from
+		// reopening a read-only descriptor of it for writing.
+		err = unix.Fchmod(fd, 0o600)
+	}
+	if err == nil {
+		_, err = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, sealed)
+	}
+	if err != nil {
+		_ = unix.Close(fd)
+		return -1, fmt.Errorf("make %s: %w", name, err)
+	}
+	return fd, nil
+}
+
+// checkMemfd checks that fd is a slot's memfd as newMemfd makes it:
+// sealed against shrinking, growing and further seals, writable, of
+// ProcFileSize bytes. The seals are read first: once they hold, the size
+// cannot change.
+func checkMemfd(fd int) (unix.Stat_t, error) {
+	var st unix.Stat_t
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return st, fmt.Errorf("%w: not a sealable memfd: %w", ErrInvalid, err)
+	}
+	if seals&sealed != sealed || seals&(unix.F_SEAL_WRITE|unix.F_SEAL_FUTURE_WRITE) != 0 {
+		return st, fmt.Errorf("%w: memfd seals %#x, want %#x and no write seal", ErrInvalid, seals, sealed)
+	}
+	if err := unix.Fstat(fd, &st); err != nil {
+		return st, err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size != ProcFileSize {
+		return st, fmt.Errorf("%w: memfd of mode %#o and size %d, want a regular file of %d bytes", ErrInvalid, st.Mode, st.Size, ProcFileSize)
+	}
+	return st, nil
+}
+
+// mapProc maps fd (checked by checkMemfd) as slot i's memory; the region
+// keeps fd.
+func (r *Region) mapProc(i, fd int) error {
+	mem, err := unix.Mmap(fd, 0, ProcFileSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return fmt.Errorf("mmap: %w", err)
+	}
+	r.procs[i], r.c[i], r.fds[i] = mem, (*Counters)(unsafe.Pointer(&mem[0])), fd
+	return nil
+}
+
+// dropProc unmaps slot i's memory and closes its memfd.
+func (r *Region) dropProc(i int) error {
+	if r.fds[i] < 0 {
+		return nil
+	}
+	err := errors.Join(unix.Munmap(r.procs[i]), unix.Close(r.fds[i]))
+	r.procs[i], r.c[i], r.fds[i] = nil, nil, -1
+	return err
+}
+
+// Open maps an existing region's control file and checks its header. Its
+// slots have no memory yet: the memfds died with the enforcer that made
+// them, and live on only in the processes that hold them, where Recover
+// finds them.
+func Open(dir string) (*Region, error) {
+	path := filepath.Join(dir, ControlName)
+	st, err := os.Stat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		if _, derr := os.Stat(dir); derr != nil {
+			return nil, fmt.Errorf("open region: %w", derr)
+		}
+		return nil, fmt.Errorf("open region %q: %w: %s is missing", dir, ErrInvalid, ControlName)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("open region: %w", err)
+	}
+	if !st.Mode().IsRegular() || st.Size() != ControlFileSize {
+		return nil, fmt.Errorf("open region %q: %w: %s has size %d, want %d", dir, ErrInvalid, ControlName, st.Size(), ControlFileSize)
+	}
+	r := newRegion(dir)
+	if r.ctl, err = mapFile(path, ControlFileSize); err != nil {
 		return nil, fmt.Errorf("open region %q: %w", dir, err)
 	}
+	r.l = (*Layout)(unsafe.Pointer(&r.ctl[0]))
 	if err := r.check(); err != nil {
 		_ = r.Close()
 		return nil, fmt.Errorf("open region %q: %w", dir, err)
@@ -191,7 +293,7 @@ func Open(dir string) (*Region, error) {
 	return r, nil
 }
 
-// Remove deletes a region directory and its files (the mappings of
+// Remove deletes a region directory and its control file (the mappings of
 // processes that still have them stay valid).
 func Remove(dir string) error { return os.RemoveAll(dir) }
 
@@ -208,23 +310,6 @@ func (r *Region) check() error {
 		return fmt.Errorf("%w: max_procs %d, want %d", ErrInvalid, l.MaxProcs, MaxProcs)
 	}
 	return nil
-}
-
-func mapDir(dir string) (*Region, error) {
-	r := &Region{dir: dir}
-	var err error
-	if r.ctl, err = mapFile(filepath.Join(dir, ControlName), ControlFileSize); err != nil {
-		return nil, err
-	}
-	r.l = (*Layout)(unsafe.Pointer(&r.ctl[0]))
-	for i := range MaxProcs {
-		if r.procs[i], err = mapFile(filepath.Join(dir, ProcName(i)), ProcFileSize); err != nil {
-			_ = r.Close()
-			return nil, err
-		}
-		r.c[i] = (*Counters)(unsafe.Pointer(&r.procs[i][0]))
-	}
-	return r, nil
 }
 
 func mapFile(path string, size int) ([]byte, error) {
@@ -246,8 +331,19 @@ func (r *Region) Dir() string { return r.dir }
 // L returns the mapped control file. It is valid until Close.
 func (r *Region) L() *Layout { return r.l }
 
-// Proc returns slot i (0 <= i < MaxProcs).
+// Proc returns slot i (0 <= i < MaxProcs). Its Counters are nil while the
+// slot has no memfd.
 func (r *Region) Proc(i int) Proc { return Proc{Slot: &r.l.Slots[i], Counters: r.c[i]} }
+
+// SlotAt returns the slot whose counters' mapping holds addr.
+func (r *Region) SlotAt(addr uintptr) (int, bool) {
+	for i, m := range r.procs {
+		if m != nil && addr-uintptr(unsafe.Pointer(&m[0])) < uintptr(len(m)) {
+			return i, true
+		}
+	}
+	return 0, false
+}
 
 // Params reads the identity and quotas from the header.
 func (r *Region) Params() Params {
@@ -283,45 +379,12 @@ func Wake(w *atomic.Uint32) {
 
 const futexWake = 1 // FUTEX_WAKE, without FUTEX_PRIVATE_FLAG
 
-// Intact reports whether every proc file still has its size. A process
-// holds a writable descriptor of its own proc file, so it can truncate it
-// (the enforcer's next access beyond the new end faults, SIGBUS) or grow
-// it. The control file is never writable by a process.
-func (r *Region) Intact() bool {
-	for i := range MaxProcs {
-		if !r.ProcIntact(i) {
-			return false
-		}
-	}
-	return true
-}
-
-// ProcIntact reports whether slot i's proc file still has its size.
-func (r *Region) ProcIntact(i int) bool {
-	st, err := os.Stat(filepath.Join(r.dir, ProcName(i)))
-	return err == nil && st.Size() == ProcFileSize
-}
-
-// Repair restores the size of every proc file (a truncated part reads as
-// zeros; a grown part is freed).
-func (r *Region) Repair() error {
-	var errs []error
-	for i := range MaxProcs {
-		if !r.ProcIntact(i) {
-			errs = append(errs, os.Truncate(filepath.Join(r.dir, ProcName(i)), ProcFileSize))
-		}
-	}
-	return errors.Join(errs...)
-}
-
-// Close unmaps the region. Its files stay.
+// Close unmaps the region and closes its memfds. The control file stays;
+// a memfd lives on while a process holds it.
 func (r *Region) Close() error {
 	var errs []error
 	for i := range r.procs {
-		if r.procs[i] != nil {
-			errs = append(errs, unix.Munmap(r.procs[i]))
-			r.procs[i], r.c[i] = nil, nil
-		}
+		errs = append(errs, r.dropProc(i))
 	}
 	if r.ctl != nil {
 		errs = append(errs, unix.Munmap(r.ctl))
@@ -330,15 +393,18 @@ func (r *Region) Close() error {
 	return errors.Join(errs...)
 }
 
-// Clear frees slot p: it zeroes the counters, then the start time, then the
-// pid (last, so a slot with a pid always has its start time).
+// Clear frees slot p: it zeroes the counters (a slot without memory has
+// none), then the start time, then the pid (last, so a slot with a pid
+// always has its start time).
 func (p Proc) Clear() {
-	p.Waiting.Store(0)
-	p.MemReserved.Store(0)
-	p.GPUNs.Store(0)
-	p.QueuedNs.Store(0)
-	p.Launches.Store(0)
-	p.ThrottledNs.Store(0)
+	if c := p.Counters; c != nil {
+		c.Waiting.Store(0)
+		c.MemReserved.Store(0)
+		c.GPUNs.Store(0)
+		c.QueuedNs.Store(0)
+		c.Launches.Store(0)
+		c.ThrottledNs.Store(0)
+	}
 	p.StartTime.Store(0)
 	p.PID.Store(0)
 }

@@ -27,7 +27,7 @@ func TestCreateOpen(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	for name, want := range map[string]int64{"": -1, ControlName: ControlFileSize, ProcName(0): ProcFileSize, ProcName(MaxProcs - 1): ProcFileSize} {
+	for name, want := range map[string]int64{"": -1, ControlName: ControlFileSize} {
 		st, err := os.Stat(filepath.Join(dir, name))
 		if err != nil {
 			t.Fatal(err)
@@ -42,8 +42,9 @@ func TestCreateOpen(t *testing.T) {
 			t.Fatalf("%s: size %d mode %v, want %d 0600", name, st.Size(), st.Mode().Perm(), want)
 		}
 	}
-	if ents, _ := os.ReadDir(dir); len(ents) != MaxProcs+1 {
-		t.Fatalf("%d files in the region, want %d", len(ents), MaxProcs+1)
+	// The slots are memfds, in no directory.
+	if ents, _ := os.ReadDir(dir); len(ents) != 1 {
+		t.Fatalf("%d files in the region, want the control file only", len(ents))
 	}
 	l := r.L()
 	if l.Magic != Magic || l.Version != Version || l.Size != ControlFileSize || l.MaxProcs != MaxProcs {
@@ -52,11 +53,28 @@ func TestCreateOpen(t *testing.T) {
 	if got := r.Params(); got != testParams() {
 		t.Fatalf("params %+v, want %+v", got, testParams())
 	}
+	// A slot gets its memfd when a process first attaches to it.
+	if r.Proc(0).Counters != nil || l.Slots[0].ProcIno.Load() != 0 {
+		t.Fatal("slot 0 has memory before any process attached to it")
+	}
+	inos := map[uint64]bool{}
+	for i := range MaxProcs {
+		if err := r.Prepare(i); err != nil {
+			t.Fatal(err)
+		}
+		s := &l.Slots[i]
+		var st unix.Stat_t
+		if err := unix.Fstat(r.fds[i], &st); err != nil || st.Ino != s.ProcIno.Load() || st.Dev != s.ProcDev.Load() || inos[st.Ino] {
+			t.Fatalf("slot %d: memfd %d:%d (%v), control records %d:%d", i, st.Dev, st.Ino, err, s.ProcDev.Load(), s.ProcIno.Load())
+		}
+		inos[st.Ino] = true
+	}
 	if _, err := Create(dir, testParams()); !errors.Is(err, os.ErrExist) {
 		t.Fatalf("second create: %v, want ErrExist", err)
 	}
 
-	// A second mapping (as another process would have) shares the words.
+	// A second mapping of the control file (as another process would
+	// have) shares the words.
 	r2, err := Open(dir)
 	if err != nil {
 		t.Fatal(err)
@@ -66,15 +84,12 @@ func TestCreateOpen(t *testing.T) {
 		t.Fatalf("reopened params %+v", r2.Params())
 	}
 	r.Proc(5).Claim(1234, 99)
-	r2.Proc(5).GPUNs.Add(42)
-	if p := r2.Proc(5); p.PID.Load() != 1234 || p.StartTime.Load() != 99 {
-		t.Fatalf("slot 5 in second mapping: pid %d start %d", p.PID.Load(), p.StartTime.Load())
+	if p := r2.Proc(5); p.PID.Load() != 1234 || p.StartTime.Load() != 99 || p.Counters != nil {
+		t.Fatalf("slot 5 in second mapping: pid %d start %d counters %p", p.PID.Load(), p.StartTime.Load(), p.Counters)
 	}
-	if r.Proc(5).GPUNs.Load() != 42 {
-		t.Fatal("counter written through the second mapping not visible in the first")
-	}
+	r.Proc(5).GPUNs.Add(42)
 	r.Proc(5).Clear()
-	if p := r2.Proc(5); p.PID.Load() != 0 || p.StartTime.Load() != 0 || p.GPUNs.Load() != 0 {
+	if p := r.Proc(5); p.PID.Load() != 0 || p.StartTime.Load() != 0 || p.GPUNs.Load() != 0 {
 		t.Fatal("cleared slot not zero")
 	}
 	// Raw byte offsets agree with the header's (checked against C elsewhere).
@@ -87,12 +102,12 @@ func TestCreateOpen(t *testing.T) {
 	if g := uint32(raw[64]) | uint32(raw[65])<<8 | uint32(raw[66])<<16 | uint32(raw[67])<<24; g != 0xdeadbeef {
 		t.Fatalf("grant at byte 64 of the control file reads %#x", g)
 	}
-	raw, err = os.ReadFile(filepath.Join(dir, ProcName(3)))
-	if err != nil {
+	raw = make([]byte, 16)
+	if _, err := unix.Pread(r.fds[3], raw, 0); err != nil {
 		t.Fatal(err)
 	}
 	if raw[8] != 8 || raw[15] != 1 {
-		t.Fatalf("mem_reserved at byte 8 of proc.003 reads % x", raw[8:16])
+		t.Fatalf("mem_reserved at byte 8 of slot 3 reads % x", raw[8:16])
 	}
 }
 
@@ -111,17 +126,14 @@ func TestOpenRejects(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		name   string
-		file   string
 		data   []byte
 		remove bool
 	}{
-		{name: "empty control", file: ControlName, data: nil},
-		{name: "short control", file: ControlName, data: ctl[:1024]},
-		{name: "bad magic", file: ControlName, data: append([]byte{0, 0, 0, 0}, ctl[4:]...)},
-		{name: "version 1", file: ControlName, data: append(append(append([]byte{}, ctl[:4]...), 1, 0, 0, 0), ctl[8:]...)},
-		{name: "missing control", file: ControlName, remove: true},
-		{name: "missing proc file", file: ProcName(17), remove: true},
-		{name: "short proc file", file: ProcName(17), data: make([]byte, 64)},
+		{name: "empty control", data: nil},
+		{name: "short control", data: ctl[:4096]},
+		{name: "bad magic", data: append([]byte{0, 0, 0, 0}, ctl[4:]...)},
+		{name: "version 2", data: append(append(append([]byte{}, ctl[:4]...), 2, 0, 0, 0), ctl[8:]...)},
+		{name: "missing control", remove: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := filepath.Join(base, strings.ReplaceAll(tc.name, " ", "_"))
@@ -130,7 +142,7 @@ func TestOpenRejects(t *testing.T) {
 			} else {
 				r.Close()
 			}
-			p := filepath.Join(dir, tc.file)
+			p := filepath.Join(dir, ControlName)
 			if tc.remove {
 				if err := os.Remove(p); err != nil {
 					t.Fatal(err)
@@ -148,10 +160,13 @@ func TestOpenRejects(t *testing.T) {
 	}
 }
 
-// TestTenantFDs checks what a process receives: its control file and
-// every other slot's counters cannot be made writable by any route a
-// process has (mmap, mprotect, reopening /proc/self/fd/N, ftruncate), even
-// as root; its own proc file is writable and shared with the enforcer.
+// TestTenantFDs checks what a process receives: its control file cannot
+// be made writable by any route a process has (mmap, mprotect, reopening
+// /proc/self/fd/N, ftruncate), even as root; the other slots' read-only
+// descriptors cannot be mapped or mprotect-ed writable, but root can reopen
+// them for writing (a memfd is in no read-only mount; TestSlotSeals says
+// what that leaves); its own slot is writable and shared with the
+// enforcer.
 func TestTenantFDs(t *testing.T) {
 	t.Parallel()
 	if os.Geteuid() != 0 {
@@ -169,6 +184,9 @@ func TestTenantFDs(t *testing.T) {
 	}
 	defer v.Close()
 	const slot = 9
+	if err := r.Prepare(3); err != nil { // another attached process's slot
+		t.Fatal(err)
+	}
 	fds, err := r.TenantFDs(v, slot)
 	if err != nil {
 		t.Fatal(err)
@@ -187,13 +205,14 @@ func TestTenantFDs(t *testing.T) {
 		t.Fatalf("%d descriptors, want 4", len(fds))
 	}
 	for _, tc := range []struct {
-		name string
-		fd   int
-		size int
+		name   string
+		fd     int
+		size   int
+		reopen error // of /proc/self/fd/N for writing, as root
 	}{
-		{"control", fds[0], ControlFileSize},
-		{"other slot", fds[2], ProcFileSize},
-		{"own slot, read-only copy", fds[3], ProcFileSize},
+		{"control", fds[0], ControlFileSize, unix.EROFS},
+		{"other slot", fds[2], ProcFileSize, nil},
+		{"own slot, read-only copy", fds[3], ProcFileSize, nil},
 	} {
 		if _, err := unix.Mmap(tc.fd, 0, tc.size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); !errors.Is(err, unix.EACCES) {
 			t.Errorf("%s: mmap PROT_WRITE: %v, want EACCES", tc.name, err)
@@ -206,11 +225,12 @@ func TestTenantFDs(t *testing.T) {
 			t.Errorf("%s: mprotect PROT_WRITE: %v, want EACCES", tc.name, err)
 		}
 		_ = unix.Munmap(mem)
-		if fd, err := unix.Open("/proc/self/fd/"+strconv.Itoa(tc.fd), unix.O_RDWR, 0); !errors.Is(err, unix.EROFS) {
-			if err == nil {
-				_ = unix.Close(fd)
-			}
-			t.Errorf("%s: reopen /proc/self/fd for writing: %v, want EROFS", tc.name, err)
+		fd, err := unix.Open("/proc/self/fd/"+strconv.Itoa(tc.fd), unix.O_RDWR, 0)
+		if err == nil {
+			_ = unix.Close(fd)
+		}
+		if !errors.Is(err, tc.reopen) {
+			t.Errorf("%s: reopen /proc/self/fd for writing: %v, want %v", tc.name, err, tc.reopen)
 		}
 		if err := unix.Ftruncate(tc.fd, 0); err == nil {
 			t.Errorf("%s: ftruncate of a read-only descriptor succeeded", tc.name)
@@ -229,15 +249,23 @@ func TestTenantFDs(t *testing.T) {
 	if (*Layout)(unsafe.Pointer(&ctl[0])).Grant.Load() != 1 || (*Layout)(unsafe.Pointer(&ctl[0])).Magic != Magic {
 		t.Fatal("the read-only control mapping does not show the enforcer's words")
 	}
-	// The own proc file is writable, and the enforcer sees the writes.
+	// The own slot is writable, and the enforcer sees the writes.
 	own, err := unix.Mmap(fds[1], 0, ProcFileSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
-		t.Fatalf("own proc file: %v", err)
+		t.Fatalf("own slot: %v", err)
 	}
 	defer unix.Munmap(own)
 	(*Counters)(unsafe.Pointer(&own[0])).GPUNs.Store(777)
 	if r.Proc(slot).GPUNs.Load() != 777 {
-		t.Fatal("a write to the own proc file is not seen by the enforcer")
+		t.Fatal("a write to the own slot is not seen by the enforcer")
+	}
+	// It is a file description of its own: what the process sets on it
+	// does not reach the enforcer's.
+	if _, err := unix.FcntlInt(uintptr(fds[1]), unix.F_SETFL, unix.O_NONBLOCK); err != nil {
+		t.Fatal(err)
+	}
+	if fl, err := unix.FcntlInt(uintptr(r.fds[slot]), unix.F_GETFL, 0); err != nil || fl&unix.O_NONBLOCK != 0 {
+		t.Fatalf("the enforcer's memfd flags %#x (%v) after the process set O_NONBLOCK on its own", fl, err)
 	}
 	if r.Proc(3).GPUNs.Load() != 0 {
 		t.Fatal("another slot changed")
@@ -326,8 +354,8 @@ func TestBlankInstall(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	if ents, _ := os.ReadDir(blank); len(ents) != MaxProcs+1 {
-		t.Fatalf("%d files in the blank region, want %d", len(ents), MaxProcs+1)
+	if ents, _ := os.ReadDir(blank); len(ents) != 1 {
+		t.Fatalf("%d files in the blank region, want the control file only", len(ents))
 	}
 	if _, err := Open(blank); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("open of a blank region: %v, want ErrInvalid", err)
@@ -366,5 +394,96 @@ func TestBlankInstall(t *testing.T) {
 	}
 	if err := b.Install(filepath.Join(root, "again"), testParams()); err == nil {
 		t.Fatal("a second install of the same region succeeded")
+	}
+}
+
+// TestSlotSeals: a slot's memfd can be neither shrunk nor grown, by any
+// descriptor of it (its owner's, or a read-only one reopened for writing
+// by root), nor sealed further; the enforcer's mapping keeps its size and
+// never faults. Without CAP_DAC_OVERRIDE a read-only descriptor cannot be
+// reopened for writing (the memfd is 0600, the enforcer's).
+func TestSlotSeals(t *testing.T) {
+	t.Parallel()
+	if os.Geteuid() != 0 {
+		t.Skip("the read-only view needs root (CAP_SYS_ADMIN)")
+	}
+	base := t.TempDir()
+	r, err := Create(filepath.Join(base, "mgpu0inst1"), testParams())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	v, err := NewView(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	fds, err := r.TenantFDs(v, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Prepare(4); err != nil {
+		t.Fatal(err)
+	}
+	peer, err := r.PeerFDs(v, []int{4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fds = append(fds, peer...)
+	defer func() {
+		for _, fd := range fds {
+			_ = unix.Close(fd)
+		}
+	}()
+	rw, err := unix.Open("/proc/self/fd/"+strconv.Itoa(fds[2]), unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatalf("root reopens a peer's slot for writing: %v", err)
+	}
+	defer unix.Close(rw)
+	for _, tc := range []struct {
+		name string
+		fd   int
+		slot int
+	}{{"own slot", fds[1], 2}, {"peer's slot reopened for writing", rw, 4}} {
+		r.Proc(tc.slot).GPUNs.Store(99)
+		for what, err := range map[string]error{
+			"ftruncate to 0":           unix.Ftruncate(tc.fd, 0),
+			"ftruncate to 1 byte less": unix.Ftruncate(tc.fd, ProcFileSize-1),
+			"ftruncate to 64 MiB":      unix.Ftruncate(tc.fd, 64<<20),
+			"fallocate 64 MiB":         unix.Fallocate(tc.fd, 0, 0, 64<<20),
+			"fallocate past the end":   unix.Fallocate(tc.fd, unix.FALLOC_FL_KEEP_SIZE, ProcFileSize, 64<<20),
+		} {
+			if !errors.Is(err, unix.EPERM) {
+				t.Errorf("%s: %s: %v, want EPERM", tc.name, what, err)
+			}
+		}
+		if _, err := unix.FcntlInt(uintptr(tc.fd), unix.F_ADD_SEALS, unix.F_SEAL_FUTURE_WRITE); !errors.Is(err, unix.EPERM) {
+			t.Errorf("%s: another seal: %v, want EPERM", tc.name, err)
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(tc.fd, &st); err != nil || st.Size != ProcFileSize || st.Blocks*512 > 2*ProcFileSize {
+			t.Errorf("%s: size %d, %d blocks (%v)", tc.name, st.Size, st.Blocks, err)
+		}
+		if got := r.Proc(tc.slot).GPUNs.Load(); got != 99 {
+			t.Errorf("%s: the enforcer reads %d, want 99", tc.name, got)
+		}
+	}
+	// Without CAP_DAC_OVERRIDE (a non-root tenant, or root in a user
+	// namespace): on a thread of its own whose effective uid is not 0.
+	res := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread ends with the goroutine
+		if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, ^uintptr(0), 65534, ^uintptr(0)); e != 0 {
+			res <- e
+			return
+		}
+		fd, err := unix.Open("/proc/self/fd/"+strconv.Itoa(fds[2]), unix.O_RDWR|unix.O_CLOEXEC, 0)
+		if err == nil {
+			_ = unix.Close(fd)
+		}
+		res <- err
+	}()
+	if err := <-res; !errors.Is(err, unix.EACCES) {
+		t.Errorf("reopen of a peer's slot for writing without CAP_DAC_OVERRIDE: %v, want EACCES", err)
 	}
 }

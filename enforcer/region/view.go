@@ -4,13 +4,15 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"strconv"
 
 	"golang.org/x/sys/unix"
 )
 
 // View is a read-only view of a directory of regions: a detached clone of
-// its mount (open_tree), made read-only (mount_setattr). A descriptor
-// opened through it cannot become writable: mmap(PROT_WRITE) and mprotect
+// its mount (open_tree), made read-only (mount_setattr), through which
+// processes get control files. A descriptor opened through it cannot
+// become writable: mmap(PROT_WRITE) and mprotect
 // fail with EACCES, and reopening /proc/self/fd/N for writing fails with
 // EROFS, whatever the process's privileges on the file. The clone is
 // attached nowhere, so it needs no clean-up and no process can see it in a
@@ -56,43 +58,62 @@ var ErrNotInView = errors.New("region is not in the read-only view's directory")
 
 // TenantFDs returns the descriptors an attaching process in slot receives,
 // in the order of mgpu_region.h's attach protocol: the control file
-// read-only, then its own proc file read-write. The caller closes them.
+// read-only, then its own slot's memfd read-write (made now if the slot
+// has none: Prepare). The caller closes them.
 func (r *Region) TenantFDs(v *View, slot int) ([]int, error) {
 	name, err := r.nameIn(v)
 	if err != nil {
+		return nil, err
+	}
+	if slot < 0 || slot >= MaxProcs {
+		return nil, fmt.Errorf("slot %d out of range", slot)
+	}
+	if err := r.Prepare(slot); err != nil {
 		return nil, err
 	}
 	ctl, err := v.openRO(name + "/" + ControlName)
 	if err != nil {
 		return nil, fmt.Errorf("open control read-only: %w", err)
 	}
-	own, err := unix.Open(filepath.Join(r.dir, ProcName(slot)), unix.O_RDWR|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NOCTTY, 0)
+	own, err := r.reopen(slot, unix.O_RDWR)
 	if err != nil {
 		_ = unix.Close(ctl)
-		return nil, fmt.Errorf("open own proc file: %w", err)
+		return nil, fmt.Errorf("open own slot: %w", err)
 	}
 	return []int{ctl, own}, nil
 }
 
-// PeerFDs returns read-only descriptors of the given slots' proc files, in
-// that order. The caller closes them.
+// PeerFDs returns read-only descriptors of the given slots' memfds, in that
+// order (slots in use: each has its memfd). The caller closes them.
 func (r *Region) PeerFDs(v *View, slots []int) ([]int, error) {
-	name, err := r.nameIn(v)
-	if err != nil {
+	if _, err := r.nameIn(v); err != nil {
 		return nil, err
 	}
 	fds := make([]int, 0, len(slots))
 	for _, i := range slots {
-		fd, err := v.openRO(name + "/" + ProcName(i))
+		fd, err := r.reopen(i, unix.O_RDONLY)
 		if err != nil {
 			for _, fd := range fds {
 				_ = unix.Close(fd)
 			}
-			return nil, fmt.Errorf("open proc file %d read-only: %w", i, err)
+			return nil, fmt.Errorf("open slot %d read-only: %w", i, err)
 		}
 		fds = append(fds, fd)
 	}
 	return fds, nil
+}
+
+// reopen opens slot i's memfd anew (through /proc/self/fd) with mode
+// O_RDWR or O_RDONLY. A process gets a file description of its own, never
+// a duplicate of the enforcer's: what it does to its description (flags,
+// locks, leases) cannot reach the enforcer's, and while the enforcer holds
+// its own open for writing no process can take a lease that would make the
+// enforcer's next open of the memfd wait.
+func (r *Region) reopen(i, mode int) (int, error) {
+	if i < 0 || i >= MaxProcs || r.fds[i] < 0 {
+		return -1, fmt.Errorf("slot %d has no memfd", i)
+	}
+	return unix.Open("/proc/self/fd/"+strconv.Itoa(r.fds[i]), mode|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
 }
 
 func (r *Region) nameIn(v *View) (string, error) {

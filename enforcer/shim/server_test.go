@@ -287,11 +287,14 @@ func (s *testServer) slotOf(pid int) *region.Proc {
 	return nil
 }
 
-// used is the instance's reserved memory: the sum over all slots.
+// used is the instance's reserved memory: the sum over all slots that
+// have memory (a slot gets its memfd when a process first attaches to it).
 func (s *testServer) used() uint64 {
 	var sum uint64
 	for i := 0; i < region.MaxProcs; i++ {
-		sum += s.reg.Proc(i).MemReserved.Load()
+		if c := s.reg.Proc(i).Counters; c != nil {
+			sum += c.MemReserved.Load()
+		}
 	}
 	return sum
 }

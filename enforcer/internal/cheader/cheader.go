@@ -22,6 +22,8 @@ static const mgpu_entry mgpu_entries[] = {
 	OFF(mgpu_slot_t, pid),
 	OFF(mgpu_slot_t, reserved),
 	OFF(mgpu_slot_t, start_time),
+	OFF(mgpu_slot_t, proc_dev),
+	OFF(mgpu_slot_t, proc_ino),
 
 	SIZE(mgpu_proc_t),
 	OFF(mgpu_proc_t, waiting),

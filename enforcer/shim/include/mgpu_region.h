@@ -5,30 +5,41 @@
  * the enforcer (Go, enforcer/region mirrors it and a test checks every size
  * and offset against this file) and the shim (C, enforcer/shim).
  *
- * One region exists per instance (mgpuXinstY): a directory
- * /run/mgpu/gpuX/regions/mgpuXinstY/ of MGPU_REGION_MAX_PROCS + 1 files,
- * all created by the enforcer (version 2; version 1 was one writable file):
+ * One region exists per instance (mgpuXinstY), all created by the enforcer
+ * (version 3; version 2 kept the slots as files beside the control file,
+ * version 1 was one writable file):
  *
- *   control   mgpu_control_t: identity, quotas, grant, heartbeat, and the
- *             owner (pid, start time) of every process slot.  Written by the
- *             enforcer only; every process receives it READ-ONLY.
- *   proc.NNN  mgpu_proc_t (NNN = 000..127): the counters of the process in
- *             slot NNN.  The process in that slot receives its own file
- *             read-write; it may ask for the other attached processes'
- *             files, read-only (to sum the instance's memory reservations).
+ *   control   mgpu_control_t, the file /run/mgpu/gpuX/regions/mgpuXinstY/
+ *             control: identity, quotas, grant, heartbeat, and the owner
+ *             (pid, start time) and memfd identity of every process slot.
+ *             Written by the enforcer only; every process receives it
+ *             READ-ONLY.
+ *   slots     mgpu_proc_t, one memfd per slot (MGPU_REGION_MAX_PROCS, named
+ *             "mgpu-proc.NNN", made when a process first attaches to the
+ *             slot): the counters of the process in slot NNN.  Sealed
+ *             (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) at
+ *             MGPU_PROC_FILE_SIZE bytes, so no holder can shrink it (the
+ *             others' mappings would fault) or grow it (host memory), and in
+ *             no file system.  The process in that slot receives its own
+ *             read-write; it may ask for the other attached processes',
+ *             read-only (to sum the instance's memory reservations).
  *
- * Tenants are untrusted.  The read-only descriptors come from a read-only
- * (detached) mount of the regions directory, so that neither mmap(PROT_WRITE),
- * mprotect, nor reopening /proc/self/fd/N for writing can turn them into
- * writable ones (EACCES / EROFS).  What a process writes into its own slot is
- * input to the enforcer, range- and rate-checked there, never trusted.
+ * Tenants are untrusted.  The control file's descriptor comes from a
+ * read-only (detached) mount of the regions directory, so that neither
+ * mmap(PROT_WRITE), mprotect, nor reopening /proc/self/fd/N for writing can
+ * turn it into a writable one (EACCES / EROFS).  A read-only slot descriptor
+ * cannot be mapped or mprotect-ed writable either, but a memfd is in no
+ * mount that could be read-only: a root process may reopen its instance's
+ * other slots for writing (docs/tenants.md).  What a process writes into a
+ * slot is input to the enforcer, range- and rate-checked there, never
+ * trusted.
  *
  * Concurrency rules (a client may be SIGKILLed at any instruction):
  *  - No locks live in the region.  Every shared word is a naturally aligned
  *    32- or 64-bit value accessed with C11 atomics (Go: sync/atomic).
  *  - Each attached process owns exactly one slot; the enforcer picks it,
- *    writes its owner (control->slots[slot]) and clears its counters file;
- *    the shim writes only its own proc file.  Instance totals are sums over
+ *    writes its owner (control->slots[slot]) and clears its counters;
+ *    the shim writes only its own slot.  Instance totals are sums over
  *    slots, so a process that dies leaves nothing half-updated: the enforcer
  *    reaps its slot whole.
  *  - Memory reservation (shim): add n to the own slot's mem_reserved, then sum
@@ -54,10 +65,10 @@
 #endif
 
 #define MGPU_REGION_MAGIC 0x5550474du /* "MGPU" as little-endian bytes */
-#define MGPU_REGION_VERSION 2u
+#define MGPU_REGION_VERSION 3u
 #define MGPU_REGION_MAX_PROCS 128u
-#define MGPU_CONTROL_FILE_SIZE 4096u /* bytes; >= sizeof(mgpu_control_t), page multiple */
-#define MGPU_PROC_FILE_SIZE 4096u    /* bytes; one page per process slot */
+#define MGPU_CONTROL_FILE_SIZE 8192u /* bytes; >= sizeof(mgpu_control_t), page multiple */
+#define MGPU_PROC_FILE_SIZE 4096u    /* bytes of each slot's memfd; one page */
 
 /* compute policies (the seed's compute_policy values) */
 #define MGPU_POLICY_FIXED_SHARE 0u
@@ -72,14 +83,20 @@
 #define MGPU_WAKE_BUSY 1u
 #define MGPU_WAKE_IDLE 2u
 
-/* The owner of one process slot (in the control file).  16 bytes. */
+/* The owner of one process slot and its memfd (in the control file).  32
+ * bytes. */
 typedef struct mgpu_slot {
     MGPU_ATOMIC(uint32_t) pid;        /* host pid owning the slot; 0 = free */
     uint32_t reserved;
     MGPU_ATOMIC(uint64_t) start_time; /* /proc/<pid>/stat starttime (clock ticks), tells pid reuse; written before pid */
+    /* st_dev and st_ino of the slot's memfd: a restarted enforcer finds the
+     * memfd again in the mappings of the instance's processes by them.  The
+     * shim does not read them. */
+    MGPU_ATOMIC(uint64_t) proc_dev;
+    MGPU_ATOMIC(uint64_t) proc_ino;
 } mgpu_slot_t;
 
-/* The counters of one attached process (its proc.NNN file).  64 bytes.
+/* The counters of one attached process (its slot's memfd).  64 bytes.
  * Written by that process only; the enforcer treats every value as
  * untrusted input. */
 typedef struct mgpu_proc {
@@ -153,18 +170,17 @@ typedef struct mgpu_control {
  *                            descriptors (SCM_RIGHTS, with the first byte of
  *                            the response): [0] the control file, read-only
  *                            (map PROT_READ, control_size bytes), [1] the
- *                            caller's own proc file, read-write (proc_size
+ *                            caller's own slot memfd, read-write (proc_size
  *                            bytes).  slot is the caller's own slot.
- *   MGPU_ATTACH_FLAG_PEERS   the read-only proc files of the other attached
- *                            processes of the caller's instance (the caller
- *                            must be attached).  An OK response has
- *                            peers[] set to the slots whose files follow,
- *                            one descriptor each, in ascending slot order.
- *                            A slot's file stays that slot's for the
- *                            region's life, so a mapping of it never goes
- *                            stale: the shim asks once for slots it sees
- *                            taken (control->slots[i].pid) and has not
- *                            mapped.
+ *   MGPU_ATTACH_FLAG_PEERS   the other attached processes' slot memfds,
+ *                            read-only (the caller must be attached).  An
+ *                            OK response has peers[] set to the slots whose
+ *                            descriptors follow, one each, in ascending slot
+ *                            order.  A slot's memfd stays that slot's while
+ *                            any process maps it (an enforcer restart finds
+ *                            it again), so a mapping of it never goes stale:
+ *                            the shim asks once for slots it sees taken
+ *                            (control->slots[i].pid) and has not mapped.
  *   MGPU_ATTACH_FLAG_WAKE    the caller's instance's wake socket (the caller
  *                            must be attached): one descriptor, the sending
  *                            end of a SOCK_DGRAM socket pair whose other end
@@ -236,9 +252,9 @@ typedef struct mgpu_attach_resp {
 
 #ifndef __cplusplus
 _Static_assert(sizeof(mgpu_proc_t) == 64, "mgpu_proc_t is 64 bytes");
-_Static_assert(sizeof(mgpu_proc_t) <= MGPU_PROC_FILE_SIZE, "counters fit their file");
-_Static_assert(sizeof(mgpu_slot_t) == 16, "mgpu_slot_t is 16 bytes");
-_Static_assert(sizeof(mgpu_control_t) == 256 + 16 * MGPU_REGION_MAX_PROCS, "control layout");
+_Static_assert(sizeof(mgpu_proc_t) <= MGPU_PROC_FILE_SIZE, "counters fit their memfd");
+_Static_assert(sizeof(mgpu_slot_t) == 32, "mgpu_slot_t is 32 bytes");
+_Static_assert(sizeof(mgpu_control_t) == 256 + 32 * MGPU_REGION_MAX_PROCS, "control layout");
 _Static_assert(sizeof(mgpu_control_t) <= MGPU_CONTROL_FILE_SIZE, "control fits its file");
 _Static_assert(sizeof(mgpu_attach_req_t) == 16, "attach request is 16 bytes");
 _Static_assert(sizeof(mgpu_attach_resp_t) == 256, "attach response is 256 bytes");
