@@ -54,7 +54,7 @@ func RequestedDevices(cfg *config.Config, spec *oci.Spec) ([]Device, error) {
 		}
 		n, valid := parseDecimal(suffix, maxDeviceIndex)
 		if !valid || (len(suffix) > 1 && suffix[0] == '0') {
-			return nil, deviceErrorf("%s is not a device key of the mgpu CDI spec (%s<index>); remove it from the container's environment", k, cdienv.DevicePrefix)
+			return nil, deviceErrorf("%s is not a device key of the mgpu CDI spec (%s<index>); remove it from the container's environment", shownKey(k), cdienv.DevicePrefix)
 		}
 		idx := int(n)
 		if v == "" {
@@ -94,6 +94,16 @@ func RequestedDevices(cfg *config.Config, spec *oci.Spec) ([]Device, error) {
 		}
 	}
 	return devs, nil
+}
+
+// shownKey is an environment key as a message shows it: as it is, or
+// quoted when it has a character that needs escaping (a line break in a
+// tenant's key must not split the hook's one-line message).
+func shownKey(k string) string {
+	if q := strconv.Quote(k); q[1:len(q)-1] != k {
+		return q
+	}
+	return k
 }
 
 func configName(cfg *config.Config) string {
