@@ -22,6 +22,18 @@ type Container struct {
 	Policy, Core, Memory string
 	Env                  []string // more environment
 	Args                 []string // the command
+	// JoinPID, when not 0, is a host pid whose pid namespace the container
+	// joins instead of getting its own (podman --pid ns:PATH, ctr
+	// --with-ns pid:PATH; Kubernetes' shareProcessNamespace does the same).
+	JoinPID int
+}
+
+// pidNS is the path of the pid namespace c joins, or "".
+func (c Container) pidNS() string {
+	if c.JoinPID == 0 {
+		return ""
+	}
+	return fmt.Sprintf("/proc/%d/ns/pid", c.JoinPID)
 }
 
 // Engine runs containers on a Node: ctr against a private containerd, or
@@ -126,6 +138,9 @@ func (e *Ctr) runArgs(c Container, mode string) []string {
 	for _, kv := range e.N.containerEnv(c) {
 		args = append(args, "--env", kv)
 	}
+	if ns := c.pidNS(); ns != "" {
+		args = append(args, "--with-ns", "pid:"+ns)
+	}
 	args = append(args,
 		"--mount", "type=bind,src="+e.N.FakeState+",dst="+e.N.FakeState+",options=rbind:rw",
 		"--mount", "type=bind,src="+e.N.IODir+",dst=/e2e,options=rbind:rw",
@@ -221,6 +236,9 @@ func (e *Podman) runArgs(c Container, mode string) []string {
 	}
 	for _, kv := range e.N.containerEnv(c) {
 		args = append(args, "-e", kv)
+	}
+	if ns := c.pidNS(); ns != "" {
+		args = append(args, "--pid", "ns:"+ns)
 	}
 	args = append(args, "-v", e.N.FakeState+":"+e.N.FakeState+":rw", "-v", e.N.IODir+":/e2e:rw",
 		"--rootfs", e.N.Rootfs)

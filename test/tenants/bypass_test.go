@@ -1,6 +1,8 @@
 package tenants
 
 import (
+	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -147,5 +149,106 @@ func TestBypassCompute(t *testing.T) {
 				t.Errorf("no log line names %s:\n%s", b.Instance.Name, logs.String())
 			}
 		})
+	}
+}
+
+// TestBypassManyProcesses (issue 30, point 5): the driver backstop's slack
+// over an instance's quota is an allowance per process, counted for at
+// most memory_allowance_processes processes. Eight processes of a 1024 MiB
+// instance skip the shim and hold 170 MiB each (1360 MiB): within quota +
+// 8 allowances of 64 MiB (1536) but over quota + 4 (1280), so the backstop
+// kills processes of the instance, within 2 s, until the rest fit; a
+// neighbour within its quota is left alone.
+func TestBypassManyProcesses(t *testing.T) {
+	const (
+		procs     = 8
+		eachMiB   = 170
+		quotaMiB  = 1024
+		allowance = 64
+		allowCap  = 4
+	)
+	var logs harness.SyncBuffer
+	n := newNode(t, harness.NodeConfig{Log: &logs,
+		ExtraConfig: fmt.Sprintf("[backstop]\nmemory_allowance_mib = %d\nmemory_allowance_processes = %d\n", allowance, allowCap)})
+	nb, err := n.Shell(0, 50, 2048)
+	if err != nil {
+		t.Fatal(err)
+	}
+	honest, err := nb.Spawn("alloc", "--api", "cuMemAlloc_v2", "--mib", "1024", "--hold-ms", "-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := honest.WaitOutput("-> CUDA_SUCCESS", 15*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	sh, err := n.Shell(0, 20, quotaMiB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ps []harness.Proc
+	for range procs {
+		p, err := sh.SpawnCommand(n.Paths.Workload, "--resolve", "dlmopen", "alloc", "--api", "cuMemAlloc_v2", "--mib", strconv.Itoa(eachMiB), "--hold-ms", "-1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ps = append(ps, p)
+	}
+	// The last allocation brings the instance over quota + 4 allowances;
+	// the backstop acts within an interval of seeing it.
+	for _, p := range ps {
+		if err := p.WaitOutput("-> CUDA_SUCCESS", 15*time.Second); err != nil && p.Alive() {
+			t.Fatalf("a bypassing process did not get its memory: %v\n%s", err, p.Output())
+		}
+	}
+	t0 := time.Now()
+	limit := quotaMiB + allowance*allowCap
+	fits := func() error {
+		alive := 0
+		for _, p := range ps {
+			if p.Alive() {
+				alive++
+			}
+		}
+		if alive*eachMiB > limit {
+			return fmt.Errorf("%d processes of %d MiB alive (%d MiB), over the %d MiB limit", alive, eachMiB, alive*eachMiB, limit)
+		}
+		return nil
+	}
+	if err := poll(10*time.Second, fits); err != nil {
+		t.Fatalf("%v\nenforcer log:\n%s", err, logs.String())
+	}
+	took := time.Since(t0)
+	alive := 0
+	for _, p := range ps {
+		if p.Alive() {
+			alive++
+		}
+	}
+	t.Logf("%d processes of %d MiB skipping the shim in a %d MiB instance: %d left (%d MiB) %v after the last allocation; limit %d MiB (4 allowances, not 8: %d)",
+		procs, eachMiB, quotaMiB, alive, alive*eachMiB, took.Round(time.Millisecond), limit, quotaMiB+allowance*procs)
+	if took > detectBound {
+		t.Errorf("brought within the limit after %v, want within %v", took, detectBound)
+	}
+	if alive == 0 {
+		t.Errorf("every process was killed; the backstop kills the largest until the rest fit")
+	}
+	if !strings.Contains(logs.String(), "instance="+sh.Instance.Name) {
+		t.Errorf("no log line names %s:\n%s", sh.Instance.Name, logs.String())
+	}
+	if !honest.Alive() {
+		t.Errorf("the neighbour within its quota was killed:\n%s", honest.Output())
+	}
+}
+
+// poll checks cond every 10 ms until it holds or within has passed, and
+// returns its last error.
+func poll(within time.Duration, cond func() error) error {
+	deadline := time.Now().Add(within)
+	for {
+		err := cond()
+		if err == nil || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(10 * time.Millisecond) // polling the processes' state
 	}
 }
