@@ -199,6 +199,11 @@ func (s *testServer) peers(c *net.UnixConn, resp []byte, pid uint32) {
 			slots = append(slots, i)
 		}
 	}
+	var fds []int
+	var err error
+	if own >= 0 {
+		fds, err = s.reg.PeerFDs(s.view, slots) // under mu: claim gives slots their memfds
+	}
 	s.mu.Unlock()
 	le := binary.LittleEndian
 	if own < 0 {
@@ -207,7 +212,6 @@ func (s *testServer) peers(c *net.UnixConn, resp []byte, pid uint32) {
 		_, _ = c.Write(resp)
 		return
 	}
-	fds, err := s.reg.PeerFDs(s.view, slots)
 	if err != nil {
 		le.PutUint32(resp[8:], attachBadRequest)
 		copy(resp[attachMsgOff:attachRespLen-1], err.Error())
@@ -246,8 +250,13 @@ func (s *testServer) claim(pid uint32) int {
 	defer s.mu.Unlock()
 	s.reapLocked()
 	for i := 0; i < region.MaxProcs; i++ {
-		p := s.reg.Proc(i)
-		if p.PID.Load() == 0 {
+		if s.reg.Proc(i).PID.Load() == 0 {
+			// The slot gets its memfd before its owner, as the
+			// enforcer's attach does (TenantFDs, then Claim).
+			if err := s.reg.Prepare(i); err != nil {
+				return -1
+			}
+			p := s.reg.Proc(i)
 			p.Claim(pid, 1)
 			s.claims = append(s.claims, strconv.Itoa(int(pid)))
 			return i
@@ -279,6 +288,8 @@ func (s *testServer) reapLocked() {
 
 // slotOf returns the slot of pid, or nil.
 func (s *testServer) slotOf(pid int) *region.Proc {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	for i := 0; i < region.MaxProcs; i++ {
 		if p := s.reg.Proc(i); p.PID.Load() == uint32(pid) { //nolint:gosec // pids are positive
 			return &p
@@ -290,6 +301,8 @@ func (s *testServer) slotOf(pid int) *region.Proc {
 // used is the instance's reserved memory: the sum over all slots that
 // have memory (a slot gets its memfd when a process first attaches to it).
 func (s *testServer) used() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	var sum uint64
 	for i := 0; i < region.MaxProcs; i++ {
 		if c := s.reg.Proc(i).Counters; c != nil {
