@@ -172,17 +172,7 @@ func TestTenantFDs(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("the read-only view needs root (CAP_SYS_ADMIN)")
 	}
-	base := t.TempDir()
-	r, err := Create(filepath.Join(base, "mgpu0inst3"), testParams())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close()
-	v, err := NewView(base)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer v.Close()
+	r, v := regionAndView(t, "mgpu0inst3")
 	const slot = 9
 	if err := r.Prepare(3); err != nil { // another attached process's slot
 		t.Fatal(err)
@@ -407,17 +397,7 @@ func TestSlotSeals(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("the read-only view needs root (CAP_SYS_ADMIN)")
 	}
-	base := t.TempDir()
-	r, err := Create(filepath.Join(base, "mgpu0inst1"), testParams())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close()
-	v, err := NewView(base)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer v.Close()
+	r, v := regionAndView(t, "mgpu0inst1")
 	fds, err := r.TenantFDs(v, 2)
 	if err != nil {
 		t.Fatal(err)
@@ -486,4 +466,22 @@ func TestSlotSeals(t *testing.T) {
 	if err := <-res; !errors.Is(err, unix.EACCES) {
 		t.Errorf("reopen of a peer's slot for writing without CAP_DAC_OVERRIDE: %v, want EACCES", err)
 	}
+}
+
+// regionAndView creates region name in a temporary directory and a
+// read-only view of that directory, both closed when the test ends.
+func regionAndView(t *testing.T, name string) (*Region, *View) {
+	t.Helper()
+	base := t.TempDir()
+	r, err := Create(filepath.Join(base, name), testParams())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.Close() })
+	v, err := NewView(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = v.Close() })
+	return r, v
 }

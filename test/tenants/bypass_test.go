@@ -31,17 +31,7 @@ func bypassers(workload string, args ...string) map[string][]string {
 func TestBypassMemory(t *testing.T) {
 	var logs harness.SyncBuffer
 	n := newNode(t, harness.NodeConfig{Log: &logs})
-	nb, err := n.Shell(0, 50, 2048)
-	if err != nil {
-		t.Fatal(err)
-	}
-	honest, err := nb.Spawn("alloc", "--api", "cuMemAlloc_v2", "--mib", "1024", "--hold-ms", "-1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := honest.WaitOutput("-> CUDA_SUCCESS", 15*time.Second); err != nil {
-		t.Fatal(err)
-	}
+	honest := honestNeighbour(t, n)
 	for name, argv := range bypassers(n.Paths.Workload, "alloc", "--api", "cuMemAlloc_v2", "--mib", "4096", "--hold-ms", "-1") {
 		t.Run(name, func(t *testing.T) {
 			sh, err := n.Shell(0, 20, 1024)
@@ -170,17 +160,7 @@ func TestBypassManyProcesses(t *testing.T) {
 	var logs harness.SyncBuffer
 	n := newNode(t, harness.NodeConfig{Log: &logs,
 		ExtraConfig: fmt.Sprintf("[backstop]\nmemory_allowance_mib = %d\nmemory_allowance_processes = %d\n", allowance, allowCap)})
-	nb, err := n.Shell(0, 50, 2048)
-	if err != nil {
-		t.Fatal(err)
-	}
-	honest, err := nb.Spawn("alloc", "--api", "cuMemAlloc_v2", "--mib", "1024", "--hold-ms", "-1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := honest.WaitOutput("-> CUDA_SUCCESS", 15*time.Second); err != nil {
-		t.Fatal(err)
-	}
+	honest := honestNeighbour(t, n)
 	sh, err := n.Shell(0, 20, quotaMiB)
 	if err != nil {
 		t.Fatal(err)
@@ -251,4 +231,22 @@ func poll(within time.Duration, cond func() error) error {
 		}
 		time.Sleep(10 * time.Millisecond) // polling the processes' state
 	}
+}
+
+// honestNeighbour starts a 2048 MiB instance on device 0 whose process
+// holds 1024 MiB, within its quota, and returns the process.
+func honestNeighbour(t *testing.T, n *harness.Node) harness.Proc {
+	t.Helper()
+	nb, err := n.Shell(0, 50, 2048)
+	if err != nil {
+		t.Fatal(err)
+	}
+	honest, err := nb.Spawn("alloc", "--api", "cuMemAlloc_v2", "--mib", "1024", "--hold-ms", "-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := honest.WaitOutput("-> CUDA_SUCCESS", 15*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	return honest
 }
