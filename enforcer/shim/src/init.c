@@ -855,39 +855,58 @@ CUresult mgpu_resolve_dev(int ordinal, struct mgpu_dev **pd)
     return *pd ? CUDA_SUCCESS : err;
 }
 
+/* Maps slot i, taken after the enforcer last answered a peers request:
+ * asks again (twice at most).  Returns 0, or -1 when the slot stays
+ * unknown. */
+static int map_peer(struct mgpu_dev *d, unsigned i)
+{
+    uint64_t bit = 1ull << (i % 64);
+    for (int tries = 0; !(atomic_load(&d->mapped[i / 64]) & bit); tries++) {
+        /* A slot being freed may still show its bit: its pid goes first. */
+        if (atomic_load(&d->region->slots[i].pid) == 0)
+            return 0;
+        if (tries == 2)
+            return -1;
+        char err[256];
+        pthread_mutex_lock(&g_peers_mu);
+        int r = (atomic_load(&d->mapped[i / 64]) & bit) ? 0 : fetch_peers(d, err, sizeof err);
+        pthread_mutex_unlock(&g_peers_mu);
+        if (r) {
+            fprintf(stderr, "mgpu: cannot read the instance's other processes' memory (%s); the allocation fails\n",
+                    err);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 uint64_t mgpu_instance_used(struct mgpu_dev *d)
 {
     /* The own slot through its writable mapping; the other taken slots
-     * (control->slots[i].pid) through read-only mappings, asked for from the
+     * (control->used) through read-only mappings, asked for from the
      * enforcer the first time a slot is seen taken.  A slot's counters are
-     * zero whenever its pid is (the enforcer clears them first), so free
-     * slots are skipped.  A slot's value is what its process claims: a huge
+     * zero whenever its bit is clear (the enforcer clears them first), and
+     * a mapping of a slot never goes stale (mgpu_region.h), so a slot freed
+     * meanwhile adds 0.  A slot's value is what its process claims: a huge
      * one makes this instance's allocations fail, never another's. */
     uint64_t sum = atomic_load(&d->slot->mem_reserved);
-    for (unsigned i = 0; i < MGPU_REGION_MAX_PROCS; i++) {
-        uint64_t bit = 1ull << (i % 64);
-        /* A slot taken after the enforcer answered is missing from that
-         * answer: ask again (twice at most for one slot). */
-        for (int tries = 0; i != d->own && atomic_load(&d->region->slots[i].pid) != 0 &&
-                            !(atomic_load(&d->mapped[i / 64]) & bit);
-             tries++) {
-            if (tries == 2)
-                return UINT64_MAX; /* unknown: fail closed */
-            char err[256];
-            pthread_mutex_lock(&g_peers_mu);
-            int r = (atomic_load(&d->mapped[i / 64]) & bit) ? 0 : fetch_peers(d, err, sizeof err);
-            pthread_mutex_unlock(&g_peers_mu);
-            if (r) {
-                fprintf(stderr, "mgpu: cannot read the instance's other processes' memory (%s); the allocation fails\n",
-                        err);
-                return UINT64_MAX;
+    for (unsigned w = 0; w < MGPU_REGION_MAX_PROCS / 64; w++) {
+        uint64_t taken = atomic_load(&d->region->used[w]);
+        if (w == d->own / 64)
+            taken &= ~(1ull << (d->own % 64));
+        for (; taken; taken &= taken - 1) {
+            unsigned i = w * 64 + (unsigned)__builtin_ctzll(taken);
+            uint64_t bit = 1ull << (i % 64);
+            if (!(atomic_load(&d->mapped[w]) & bit)) {
+                if (map_peer(d, i))
+                    return UINT64_MAX; /* unknown: fail closed */
+                if (!(atomic_load(&d->mapped[w]) & bit))
+                    continue; /* freed meanwhile */
             }
+            const mgpu_proc_t *p = (const mgpu_proc_t *)(const void *)(d->procs + (size_t)i * MGPU_PROC_FILE_SIZE);
+            uint64_t v = atomic_load(&p->mem_reserved);
+            sum = sum + v < sum ? UINT64_MAX : sum + v;
         }
-        if (i == d->own || !(atomic_load(&d->mapped[i / 64]) & bit) || atomic_load(&d->region->slots[i].pid) == 0)
-            continue;
-        const mgpu_proc_t *p = (const mgpu_proc_t *)(const void *)(d->procs + (size_t)i * MGPU_PROC_FILE_SIZE);
-        uint64_t v = atomic_load(&p->mem_reserved);
-        sum = sum + v < sum ? UINT64_MAX : sum + v;
     }
     return sum;
 }
