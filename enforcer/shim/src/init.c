@@ -8,6 +8,7 @@
  * call that needs a region.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -280,6 +281,36 @@ static int sock_path(char *buf, size_t len, unsigned idx)
 {
     int n = snprintf(buf, len, "%s/gpu%u/client/client.sock", run_dir(), idx);
     return n < 0 || (size_t)n >= len ? -1 : 0;
+}
+
+/* One more than the highest X below MGPU_MAX_DEVICES whose
+ * gpuX/client/client.sock exists in the run directory (0: none).  It
+ * looks only at the gpuX entries the directory has: a stat of every
+ * possible X was a tenth of a millisecond of each process's start. */
+static int count_devices(void)
+{
+    DIR *dir = opendir(run_dir());
+    if (!dir)
+        return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(dir))) {
+        const char *c = e->d_name;
+        if (strncmp(c, "gpu", 3) != 0 || c[3] < '0' || c[3] > '9' || (c[3] == '0' && c[4]))
+            continue;
+        unsigned x = 0;
+        for (c += 3; *c >= '0' && *c <= '9' && x < MGPU_MAX_DEVICES; c++)
+            x = x * 10 + (unsigned)(*c - '0');
+        char rel[64];
+        struct stat st;
+        if (*c || x >= MGPU_MAX_DEVICES || (int)x < n)
+            continue;
+        snprintf(rel, sizeof rel, "gpu%u/client/client.sock", x);
+        if (fstatat(dirfd(dir), rel, &st, 0) == 0)
+            n = (int)x + 1;
+    }
+    closedir(dir);
+    return n;
 }
 
 static int write_all(int fd, const void *buf, size_t len)
@@ -736,11 +767,7 @@ static enum mgpu_state do_attach(void)
         }
     } else {
         /* Default: ordinal k is host device k, for the devices that have a socket. */
-        for (unsigned i = 0; i < MGPU_MAX_DEVICES; i++) {
-            struct stat st;
-            if (sock_path(path, sizeof path, i) == 0 && stat(path, &st) == 0)
-                n = (int)i + 1;
-        }
+        n = count_devices();
         for (int i = 0; i < n; i++)
             idx[i] = (unsigned)i;
         if (n == 0) { /* no enforcer at all: report device 0 */
