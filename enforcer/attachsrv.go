@@ -35,6 +35,7 @@ type attachConn struct {
 	pidfd int       // the caller's pidfd, once established (handleAttach); -1 before
 	info  peerInfo  // what /proc said of pid, read before pidfd was seen alive
 	ierr  error     // why /proc could not say
+	read  bool      // info or ierr is set (/proc was read once, at the accept or later)
 }
 
 // serveAttach accepts attach connections. Each is identified at once
@@ -105,6 +106,11 @@ func (e *Enforcer) identifyConn(conn *net.UnixConn, keys *keyCache) (*attachConn
 	}
 	c.key = unidentifiedKey
 	info, err := e.inspect(c.pid)
+	// What /proc says now is what handleAttach would read: it is believed
+	// only once the caller's pidfd, established later, shows the process
+	// alive (callerInfo), and the pid cannot name another process before
+	// that one has exited.
+	c.info, c.ierr, c.read = info, err, true
 	if err != nil {
 		return c, nil
 	}
@@ -156,7 +162,9 @@ func (e *Enforcer) handleAttach(c *attachConn) {
 			return
 		}
 	}
-	c.info, c.ierr = e.inspect(c.pid)
+	if !c.read {
+		c.info, c.ierr = e.inspect(c.pid)
+	}
 	switch req.Flags {
 	case attach.FlagPeers, attach.FlagWake:
 		var (
@@ -410,6 +418,13 @@ type ancestor struct {
 	startTime uint64
 }
 
+// inspect reads what /proc says of pid: its start time, pid namespace,
+// cgroups, and its ancestors up to the nearest root of a process-tree
+// instance (matchLocked looks no further: the nearest root it finds wins),
+// or none when the device has no process-tree instance (containers are
+// matched by namespace and cgroup). A root released between the walk and
+// the match leaves the process in no instance, as if it had attached just
+// after the release.
 func (e *Enforcer) inspect(pid int) (peerInfo, error) {
 	p := peerInfo{pid: pid}
 	st, err := e.o.proc.Stat(pid)
@@ -424,15 +439,40 @@ func (e *Enforcer) inspect(pid int) (peerInfo, error) {
 		return p, err
 	}
 	p.ancestors = append(p.ancestors, ancestor{pid, st.StartTime})
+	roots := e.treeRoots()
+	if len(roots) == 0 || roots[p.ancestors[0]] {
+		return p, nil
+	}
 	for next := st.PPID; next > 0 && len(p.ancestors) < maxAncestors; {
 		ast, err := e.o.proc.Stat(next)
 		if err != nil {
 			break
 		}
-		p.ancestors = append(p.ancestors, ancestor{next, ast.StartTime})
+		a := ancestor{next, ast.StartTime}
+		p.ancestors = append(p.ancestors, a)
+		if roots[a] {
+			break
+		}
 		next = ast.PPID
 	}
 	return p, nil
+}
+
+// treeRoots returns the roots (pid, start time) of the process-tree
+// instances.
+func (e *Enforcer) treeRoots() map[ancestor]bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var roots map[ancestor]bool
+	for _, in := range e.list {
+		if in.kind == api.KindProcessTree {
+			if roots == nil {
+				roots = map[ancestor]bool{}
+			}
+			roots[ancestor{in.pid, in.startTime}] = true
+		}
+	}
+	return roots
 }
 
 // matchLocked finds the instance a process belongs to: a container by its

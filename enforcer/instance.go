@@ -85,17 +85,21 @@ func newInstance() *instance {
 
 func (in *instance) slotUsed(i int) bool { return in.used[i/64]&(1<<(i%64)) != 0 }
 
+// setUsed marks slot i taken, here and in the region (after its Claim).
 func (in *instance) setUsed(i int) {
 	if !in.slotUsed(i) {
 		in.used[i/64] |= 1 << (i % 64)
 		in.nused++
+		in.reg.SetUsed(in.used)
 	}
 }
 
+// clearUsed marks slot i free, here and in the region (after its Clear).
 func (in *instance) clearUsed(i int) {
 	if in.slotUsed(i) {
 		in.used[i/64] &^= 1 << (i % 64)
 		in.nused--
+		in.reg.SetUsed(in.used)
 	}
 }
 

@@ -212,6 +212,10 @@ func (e *Enforcer) adoptSlots(in *instance, sameBoot bool) bool {
 			e.o.log.Warn("watch process", "pid", reg.Proc(i).PID.Load(), "err", err)
 		}
 	}
+	// The region's bitmap may still show slots just reaped (or none, in a
+	// region of the layout before it).
+	reg.SetUsed(in.used)
+	reg.Upgrade()
 	return true
 }
 

@@ -52,14 +52,27 @@ func (w *watcher) close() {
 	_ = unix.Close(w.ep)
 }
 
+// reapSaveDelay bounds how long the state file may lag behind the reaped
+// totals of exited processes: a process's exit changes only those totals,
+// and writing the file at every exit was most of the enforcer's work per
+// process. A crash within that time loses the GPU time and launches of the
+// processes reaped in it from the instance's totals (what a crash just
+// after an exit always lost); releases and sweeps are written at once.
+const reapSaveDelay = time.Second
+
 // watch reaps slots and instances as their processes exit, and sweeps
 // every o.sweep for what no pidfd watches.
 func (e *Enforcer) watch(ctx context.Context) {
 	events := make([]unix.EpollEvent, 64)
 	exited := make([]int, 0, 64)
 	nextSweep := time.Now().Add(e.o.sweep)
+	var pending time.Time // when reaped totals not yet written were first reaped
 	for ctx.Err() == nil {
-		ms := max(0, int(time.Until(nextSweep)/time.Millisecond)) + 1
+		wake := nextSweep
+		if !pending.IsZero() {
+			wake = minTime(wake, pending.Add(reapSaveDelay))
+		}
+		ms := max(0, int(time.Until(wake)/time.Millisecond)) + 1
 		n, err := unix.EpollWait(e.w.ep, events, ms)
 		if err != nil && !errors.Is(err, unix.EINTR) {
 			e.o.log.Error("epoll_wait", "err", err)
@@ -72,32 +85,53 @@ func (e *Enforcer) watch(ctx context.Context) {
 			}
 			exited = append(exited, int(ev.Fd))
 		}
-		changed := false
+		reaped, saveNow := false, false
 		if len(exited) > 0 {
 			e.mu.Lock()
 			for _, fd := range exited {
-				e.guard(func() { changed = e.exitedLocked(fd) || changed })
+				if e.guard(func() {
+					handled, released := e.exitedLocked(fd)
+					reaped = reaped || handled
+					saveNow = saveNow || released
+				}) {
+					saveNow = true // the fault released an instance
+				}
 			}
 			e.mu.Unlock()
 		}
 		if !time.Now().Before(nextSweep) {
-			changed = e.sweep() || changed
+			saveNow = e.sweep() || saveNow
 			nextSweep = time.Now().Add(e.o.sweep)
 		}
-		if changed {
+		if reaped && pending.IsZero() {
+			pending = time.Now()
+		}
+		if saveNow || (!pending.IsZero() && time.Since(pending) >= reapSaveDelay) {
 			if err := e.save(); err != nil {
 				e.o.log.Error("write state", "err", err)
 			}
+			pending = time.Time{}
+		}
+		if reaped || saveNow {
 			e.kickLoop()
 		}
 	}
 }
 
+func minTime(a, b time.Time) time.Time {
+	if b.Before(a) {
+		return b
+	}
+	return a
+}
+
 // exitedLocked handles a readable pidfd: the process it stands for exited.
-func (e *Enforcer) exitedLocked(fd int) bool {
+// handled says the pidfd was watched; released, that an instance was
+// released with it.
+func (e *Enforcer) exitedLocked(fd int) (handled, released bool) {
 	ref, ok := e.watches[fd]
 	if !ok {
-		return false
+		return false, false
 	}
 	in := ref.in
 	if ref.slot < 0 {
@@ -110,8 +144,9 @@ func (e *Enforcer) exitedLocked(fd int) bool {
 	}
 	if in.rootGone && in.nused == 0 {
 		e.releaseLocked(in, "its processes are gone")
+		return true, true
 	}
-	return true
+	return true, false
 }
 
 // reapSlotLocked frees slot i: its counters are folded into the instance's

@@ -9,12 +9,13 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path"
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // FS is a proc file system mounted at Root.
@@ -153,11 +154,37 @@ func Under(p, base string) bool {
 	return p == base || strings.HasPrefix(p, base+"/")
 }
 
+// readBounded reads at most n bytes of a /proc file with plain system
+// calls: os.Open would also try to register the file with the runtime's
+// poller (three more calls per file, and the attach path reads a dozen).
 func readBounded(name string, n int64) ([]byte, error) {
-	f, err := os.Open(name) //nolint:gosec // a /proc path built from a pid
+	fd, err := retryEINTR(func() (int, error) { return unix.Open(name, unix.O_RDONLY|unix.O_CLOEXEC, 0) })
 	if err != nil {
-		return nil, err
+		return nil, &os.PathError{Op: "open", Path: name, Err: err}
 	}
-	defer func() { _ = f.Close() }()
-	return io.ReadAll(io.LimitReader(f, n))
+	defer func() { _ = unix.Close(fd) }()
+	buf := make([]byte, 0, min(n, 4096))
+	for int64(len(buf)) < n {
+		if len(buf) == cap(buf) {
+			buf = append(buf, 0)[:len(buf)]
+		}
+		m, err := retryEINTR(func() (int, error) { return unix.Read(fd, buf[len(buf):min(int64(cap(buf)), n)]) })
+		if err != nil {
+			return nil, &os.PathError{Op: "read", Path: name, Err: err}
+		}
+		if m == 0 {
+			break
+		}
+		buf = buf[:len(buf)+m]
+	}
+	return buf, nil
+}
+
+func retryEINTR(f func() (int, error)) (int, error) {
+	for {
+		n, err := f()
+		if !errors.Is(err, unix.EINTR) {
+			return n, err
+		}
+	}
 }

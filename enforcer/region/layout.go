@@ -16,7 +16,7 @@ import (
 // Constants of mgpu_region.h.
 const (
 	Magic           uint32 = 0x5550474d // MGPU_REGION_MAGIC, "MGPU" little-endian
-	Version         uint32 = 3          // MGPU_REGION_VERSION
+	Version         uint32 = 4          // MGPU_REGION_VERSION
 	MaxProcs               = 128        // MGPU_REGION_MAX_PROCS
 	ControlFileSize        = 8192       // MGPU_CONTROL_FILE_SIZE, bytes
 	ProcFileSize           = 4096       // MGPU_PROC_FILE_SIZE, bytes
@@ -98,8 +98,13 @@ type Layout struct {
 	Contended atomic.Uint32
 	// Wake says when the enforcer wants the processes to wake it at once
 	// (WakeBusy, WakeIdle; see mgpu_region.h).
-	Wake        atomic.Uint32
-	ReservedCtl [5]uint64
+	Wake atomic.Uint32
+	// Used mirrors the enforcer's set of taken slots (bit i%64 of
+	// Used[i/64] for slot i): what the shim sums memory reservations over.
+	// A bit is set after the slot's owner is written, cleared after its
+	// counters are.
+	Used        [MaxProcs / 64]atomic.Uint64
+	ReservedCtl [3]uint64
 
 	ReservedTail [16]uint64
 

@@ -52,6 +52,7 @@ func TestLayoutMatchesHeader(t *testing.T) {
 		"mgpu_control_t.heartbeat_ns":   uint64(unsafe.Offsetof(l.HeartbeatNs)),
 		"mgpu_control_t.contended":      uint64(unsafe.Offsetof(l.Contended)),
 		"mgpu_control_t.wake":           uint64(unsafe.Offsetof(l.Wake)),
+		"mgpu_control_t.used":           uint64(unsafe.Offsetof(l.Used)),
 		"mgpu_control_t.reserved_ctl":   uint64(unsafe.Offsetof(l.ReservedCtl)),
 		"mgpu_control_t.reserved_tail":  uint64(unsafe.Offsetof(l.ReservedTail)),
 		"mgpu_control_t.slots":          uint64(unsafe.Offsetof(l.Slots)),

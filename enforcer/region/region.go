@@ -302,7 +302,7 @@ func (r *Region) check() error {
 	switch {
 	case l.Magic != Magic:
 		return fmt.Errorf("%w: magic %#x, want %#x", ErrInvalid, l.Magic, Magic)
-	case l.Version != Version:
+	case l.Version != Version && l.Version != versionNoUsed:
 		return fmt.Errorf("%w: version %d, want %d", ErrInvalid, l.Version, Version)
 	case l.Size != ControlFileSize:
 		return fmt.Errorf("%w: size field %d, want %d", ErrInvalid, l.Size, ControlFileSize)
@@ -310,6 +310,17 @@ func (r *Region) check() error {
 		return fmt.Errorf("%w: max_procs %d, want %d", ErrInvalid, l.MaxProcs, MaxProcs)
 	}
 	return nil
+}
+
+// versionNoUsed is the layout before Layout.Used (the same but for it,
+// zero there). Open accepts it; Upgrade makes it the current one.
+const versionNoUsed = 3
+
+// Upgrade makes a region opened in an earlier layout version the current
+// one, once the caller has published its taken slots (SetUsed): the shim
+// of a process attached before saw the version at its attach only.
+func (r *Region) Upgrade() {
+	(*atomic.Uint32)(unsafe.Pointer(&r.l.Version)).Store(Version)
 }
 
 func mapFile(path string, size int) ([]byte, error) {
@@ -351,6 +362,14 @@ func (r *Region) Params() Params {
 	return Params{
 		DeviceIndex: l.DeviceIndex, InstanceID: l.InstanceID, Policy: l.Policy, Core: l.Core,
 		MemoryLimit: l.MemoryLimit, PeriodNs: l.PeriodNs, MaxQueuedNs: l.MaxQueuedNs,
+	}
+}
+
+// SetUsed publishes the set of taken slots (Layout.Used), as the caller
+// keeps it: a slot's bit must be set after Claim and cleared after Clear.
+func (r *Region) SetUsed(used [MaxProcs / 64]uint64) {
+	for w, v := range used {
+		r.l.Used[w].Store(v)
 	}
 }
 

@@ -160,6 +160,41 @@ func TestOpenRejects(t *testing.T) {
 	}
 }
 
+// TestOpenUpgrades opens a region of the layout before the used bitmap
+// (version 3): it is accepted, and Upgrade makes it the current version
+// once the taken slots are published.
+func TestOpenUpgrades(t *testing.T) {
+	t.Parallel()
+	dir := filepath.Join(t.TempDir(), "mgpu0inst1")
+	r, err := Create(dir, testParams())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	p := filepath.Join(dir, ControlName)
+	ctl, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctl[4] = versionNoUsed
+	if err := os.WriteFile(p, ctl, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r, err = Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if v := r.L().Version; v != versionNoUsed {
+		t.Fatalf("version %d before Upgrade, want %d", v, versionNoUsed)
+	}
+	r.SetUsed([MaxProcs / 64]uint64{1 << 3, 1 << 1})
+	r.Upgrade()
+	if l := r.L(); l.Version != Version || l.Used[0].Load() != 1<<3 || l.Used[1].Load() != 1<<1 {
+		t.Fatalf("version %d used %#x %#x, want %d 0x8 0x2", l.Version, l.Used[0].Load(), l.Used[1].Load(), Version)
+	}
+}
+
 // TestTenantFDs checks what a process receives: its control file cannot
 // be made writable by any route a process has (mmap, mprotect, reopening
 // /proc/self/fd/N, ftruncate), even as root; the other slots' read-only

@@ -46,8 +46,9 @@ type testServer struct {
 	ln     *net.UnixListener
 	refuse atomic.Pointer[string] // non-nil: answer every attach with NO_INSTANCE and this message
 	conns  atomic.Int64
-	mu     sync.Mutex // slot assignment
-	claims []string   // pids that attached, in order; under mu
+	mu     sync.Mutex                   // slot assignment
+	claims []string                     // pids that attached, in order; under mu
+	taken  [region.MaxProcs / 64]uint64 // taken slots, as published in the region; under mu
 	wg     sync.WaitGroup
 	wake   [2]int // the wake socket pair: [0] the server's end, [1] the processes'
 }
@@ -258,6 +259,8 @@ func (s *testServer) claim(pid uint32) int {
 			}
 			p := s.reg.Proc(i)
 			p.Claim(pid, 1)
+			s.taken[i/64] |= 1 << (i % 64)
+			s.reg.SetUsed(s.taken)
 			s.claims = append(s.claims, strconv.Itoa(int(pid)))
 			return i
 		}
@@ -282,6 +285,8 @@ func (s *testServer) reapLocked() {
 		}
 		if err := unix.Kill(int(pid), 0); errors.Is(err, unix.ESRCH) {
 			p.Clear()
+			s.taken[i/64] &^= 1 << (i % 64)
+			s.reg.SetUsed(s.taken)
 		}
 	}
 }

@@ -32,19 +32,22 @@ import (
 )
 
 type row struct {
-	name   string
-	value  float64
-	unit   string
-	target string
+	name  string
+	value float64
+	unit  string
+	goal  goal
 }
 
 type bench struct {
 	out    io.Writer
 	rows   []row
 	rounds int
-	window time.Duration
-	hookN  int
-	models []string // device models of the share section
+	// launchRounds and allocRounds are the interleaved rounds of the
+	// launch and allocation figures (medians of paired differences).
+	launchRounds, allocRounds int
+	window                    time.Duration
+	hookN                     int
+	models                    []string // device models of the share section
 	// serveSecs is how long the priority section serves requests on each
 	// side (alone, beside the offline instance), in turns of priorityTurn.
 	serveSecs float64
@@ -54,24 +57,31 @@ type bench struct {
 // by default: every model of DESIGN.md "The simulated GPU".
 var benchModels = []string{"slice", "timer:1ms", "timer:2ms", "kernel"}
 
-func (b *bench) report(name string, value float64, unit, target string) {
-	b.rows = append(b.rows, row{name, value, unit, target})
+func (b *bench) report(name string, value float64, unit string, g goal) {
+	b.rows = append(b.rows, row{name, value, unit, g})
 	fmt.Fprintf(b.out, "BENCH %s %.6g %s\n", name, value, unit)
 }
 
 func main() {
-	only := flag.String("only", "", "comma-separated sections to run (arbiter,launch,alloc,start,share,reclaim,cpu,metrics,hook,priority); default all")
+	only := flag.String("only", "", "comma-separated sections to run (arbiter,launch,alloc,start,share,reclaim,cpu,scale,metrics,hook,priority); default all")
 	hookN := flag.Int("hook-containers", 20, "containers per variant (with and without the hooks) and engine in the hook section")
 	rounds := flag.Int("rounds", 5, "interleaved rounds per side-by-side measurement")
+	launchRounds := flag.Int("launch-rounds", 21, "interleaved rounds of the launch overhead")
+	allocRounds := flag.Int("alloc-rounds", 9, "interleaved rounds of each allocation overhead")
 	win := flag.Duration("window", 4*time.Second, "measurement window of each share case")
 	serve := flag.Duration("serve", 20*time.Second, "time the priority section serves requests on each side (alone, beside the offline instance), in turns of 1s")
 	models := flag.String("models", strings.Join(benchModels, ","), "comma-separated simulated device models of the share and priority sections (slice, timer:1ms, timer:2ms, kernel)")
+	reportOnly := flag.Bool("report-only", false, "report every figure and the verdict, but exit 0 when figures are over their budget")
 	flag.Parse()
+	if *rounds < 1 || *launchRounds < 1 || *allocRounds < 1 {
+		fmt.Fprintln(os.Stderr, "mgpu-bench: -rounds, -launch-rounds and -alloc-rounds must be at least 1")
+		os.Exit(2)
+	}
 	if *serve < time.Second {
 		fmt.Fprintf(os.Stderr, "mgpu-bench: -serve %v: want at least 1s\n", *serve)
 		os.Exit(2)
 	}
-	b := &bench{out: os.Stdout, rounds: *rounds, window: *win, hookN: *hookN, serveSecs: serve.Seconds()}
+	b := &bench{out: os.Stdout, rounds: *rounds, launchRounds: *launchRounds, allocRounds: *allocRounds, window: *win, hookN: *hookN, serveSecs: serve.Seconds()}
 	for _, m := range strings.Split(*models, ",") {
 		if m = strings.TrimSpace(m); m != "" {
 			if _, _, err := fakecuda.ParseModel(m); err != nil {
@@ -92,6 +102,7 @@ func main() {
 		{"share", b.shareError},
 		{"reclaim", b.reclaim},
 		{"cpu", b.enforcerCPU},
+		{"scale", b.scale},
 		{"metrics", b.metricsCost},
 		{"hook", b.hookCost},
 		{"priority", b.priority},
@@ -113,8 +124,12 @@ func main() {
 		}
 	}
 	b.table()
-	if failed {
+	over := verdict(b.out, b.rows)
+	switch {
+	case failed:
 		os.Exit(1)
+	case len(over) > 0 && !*reportOnly:
+		os.Exit(3)
 	}
 }
 
@@ -123,11 +138,21 @@ func (b *bench) table() {
 	for _, r := range b.rows {
 		w = max(w, len(r.name))
 	}
-	fmt.Fprintf(b.out, "\n%-*s %14s  %-12s %s\n", w, "measurement", "value", "unit", "target")
+	fmt.Fprintf(b.out, "\n%-*s %14s  %-16s %-4s  %s\n", w, "measurement", "value", "unit", "", "budget")
 	for _, r := range b.rows {
-		fmt.Fprintf(b.out, "%-*s %14.2f  %-12s %s\n", w, r.name, r.value, r.unit, r.target)
+		mark := ""
+		if r.goal.has {
+			mark = "ok"
+			if !r.goal.met(r.value) {
+				mark = "OVER"
+			}
+		}
+		fmt.Fprintf(b.out, "%-*s %14.2f  %-16s %-4s  %s\n", w, r.name, r.value, r.unit, mark, r.goal)
 	}
 }
+
+// tickBudget is the arbiter's budget per tick (ns) by instances.
+var tickBudget = map[int]float64{16: 1000, 64: 4000}
 
 // arbiterCost times the arbiter's decision for 16 and 64 saturating
 // instances (one Tick per simulated millisecond).
@@ -158,7 +183,7 @@ func (b *bench) arbiterCost() error {
 			a.Tick(now, usage)
 		}
 		per := float64(time.Since(start).Nanoseconds()) / ticks
-		b.report(fmt.Sprintf("arbiter_tick_%d_instances", n), per, "ns/tick", "(runs once per 1 ms tick)")
+		b.report(fmt.Sprintf("arbiter_tick_%d_instances", n), per, "ns/tick", atMost(tickBudget[n], "(once per 1 ms tick)"))
 	}
 	return nil
 }
@@ -189,26 +214,6 @@ func median(v []float64) float64 {
 		return 0
 	}
 	return s[len(s)/2]
-}
-
-// sideBySide measures f(withShim) alternately, rounds times each, and
-// returns the medians without and with the shim.
-func (b *bench) sideBySide(f func(shim bool) (float64, error)) (float64, float64, error) {
-	var off, on []float64
-	for r := 0; r < b.rounds; r++ {
-		for _, shim := range []bool{false, true} {
-			v, err := f(shim)
-			if err != nil {
-				return 0, 0, err
-			}
-			if shim {
-				on = append(on, v)
-			} else {
-				off = append(off, v)
-			}
-		}
-	}
-	return median(off), median(on), nil
 }
 
 // shimNode is a node with one enforcer and one instance that holds the
@@ -244,25 +249,55 @@ func runIn(n *harness.Node, shim bool, args ...string) (string, error) {
 	return workloadRun(n, env, args...)
 }
 
+// interleaved measures f(withShim) in rounds interleaved rounds, the side
+// that goes first alternating from round to round, and summarises the
+// pairs.
+func interleaved(rounds int, f func(shim bool) (float64, error)) (paired, error) {
+	var off, on []float64
+	for r := range rounds {
+		order := []bool{false, true}
+		if r%2 == 1 {
+			order = []bool{true, false}
+		}
+		for _, shim := range order {
+			v, err := f(shim)
+			if err != nil {
+				return paired{}, err
+			}
+			if shim {
+				on = append(on, v)
+			} else {
+				off = append(off, v)
+			}
+		}
+	}
+	return summarise(off, on), nil
+}
+
+// launchOverhead: the shim's fast path per launch, from the CPU time of
+// processes launching 0 ns kernels (mgpu-workload bench-launch: the median
+// of its batches), without and with the shim in interleaved rounds; the
+// figure is the median of the per-round differences, beside their spread.
 func (b *bench) launchOverhead() error {
 	n, err := shimNode()
 	if err != nil {
 		return err
 	}
 	defer func() { _ = n.Close() }()
-	off, on, err := b.sideBySide(func(shim bool) (float64, error) {
-		out, err := runIn(n, shim, "bench-launch", "--n", "200000")
+	p, err := interleaved(b.launchRounds, func(shim bool) (float64, error) {
+		out, err := runIn(n, shim, "bench-launch", "--n", "300000", "--batches", "300")
 		if err != nil {
 			return 0, err
 		}
-		return field(out, "ns_per_launch")
+		return field(out, "cpu_ns_per_launch")
 	})
 	if err != nil {
 		return err
 	}
-	b.report("launch_no_shim", off, "ns/launch", "")
-	b.report("launch_shim", on, "ns/launch", "")
-	b.report("launch_overhead", on-off, "ns/launch", "<= 50")
+	b.report("launch_no_shim", p.off, "ns/launch", info("(CPU time of the launching thread)"))
+	b.report("launch_shim", p.on, "ns/launch", info("(CPU time of the launching thread)"))
+	b.report("launch_overhead", p.diff, "ns/launch", atMost(30, fmt.Sprintf("(median of %d paired rounds)", b.launchRounds)))
+	b.report("launch_overhead_spread", p.spread, "ns/launch", info("(interquartile range of the paired differences)"))
 	return nil
 }
 
@@ -286,6 +321,11 @@ func medianOfParallel(procs int, f func() (float64, error)) (float64, error) {
 	return median(vals), nil
 }
 
+// allocOverhead: what the shim adds to an allocation+free pair, in CPU time
+// per pair of each process (the median of its batches; with 8 processes at
+// once, the median process), without and with the shim in interleaved
+// rounds. CPU time, not wall time: 8 processes on fewer cores would
+// otherwise multiply the figure by the time each waits for a core.
 func (b *bench) allocOverhead() error {
 	n, err := shimNode()
 	if err != nil {
@@ -293,34 +333,42 @@ func (b *bench) allocOverhead() error {
 	}
 	defer func() { _ = n.Close() }()
 	for _, procs := range []int{1, 8} {
-		off, on, err := b.sideBySide(func(shim bool) (float64, error) {
+		p, err := interleaved(b.allocRounds, func(shim bool) (float64, error) {
 			return medianOfParallel(procs, func() (float64, error) {
-				out, err := runIn(n, shim, "bench-alloc", "--n", "100000", "--bytes", "1048576")
+				out, err := runIn(n, shim, "bench-alloc", "--n", "200000", "--batches", "20", "--bytes", "1048576")
 				if err != nil {
 					return 0, err
 				}
-				return field(out, "ns_per_alloc")
+				return field(out, "cpu_ns_per_alloc")
 			})
 		})
 		if err != nil {
 			return err
 		}
-		b.report(fmt.Sprintf("alloc_no_shim_%dproc", procs), off, "ns/alloc", "")
-		b.report(fmt.Sprintf("alloc_shim_%dproc", procs), on, "ns/alloc", "")
-		b.report(fmt.Sprintf("alloc_overhead_%dproc", procs), on-off, "ns/alloc", "<= 1000")
+		b.report(fmt.Sprintf("alloc_no_shim_%dproc", procs), p.off, "ns/alloc", info("(CPU time of the allocating thread)"))
+		b.report(fmt.Sprintf("alloc_shim_%dproc", procs), p.on, "ns/alloc", info("(CPU time of the allocating thread)"))
+		b.report(fmt.Sprintf("alloc_overhead_%dproc", procs), p.diff, "ns/alloc", atMost(100, fmt.Sprintf("(median of %d paired rounds)", b.allocRounds)))
+		b.report(fmt.Sprintf("alloc_overhead_%dproc_spread", procs), p.spread, "ns/alloc", info("(interquartile range)"))
 	}
 	return nil
 }
 
 // processStart measures what the shim adds to a process's start: a process
 // that never calls CUDA (/bin/true), and a CUDA process (mgpu-workload info:
-// initialisation, attach, a query), alone and 64 at once.
+// initialisation, attach, a query), alone (per process) and 64 at once
+// (the time until the last of them has exited: the total).
 func (b *bench) processStart() error {
 	n, err := shimNode()
 	if err != nil {
 		return err
 	}
 	defer func() { _ = n.Close() }()
+	envOf := func(shim bool) []string {
+		if shim {
+			return n.ShimEnv(0)
+		}
+		return n.Env()
+	}
 	timeOne := func(env []string, path string, args ...string) (float64, error) {
 		cmd := exec.Command(path, args...)
 		cmd.Env = env
@@ -330,45 +378,50 @@ func (b *bench) processStart() error {
 		}
 		return float64(time.Since(t0).Nanoseconds()), nil
 	}
-	// /bin/true: preloading the shim must cost nothing measurable.
-	off, on, err := b.sideBySide(func(shim bool) (float64, error) {
-		env := n.Env()
-		if shim {
-			env = n.ShimEnv(0)
-		}
+	medianOf := func(k int, shim bool, path string, args ...string) (float64, error) {
 		var v []float64
-		for i := 0; i < 20; i++ {
-			d, err := timeOne(env, "/bin/true")
+		for range k {
+			d, err := timeOne(envOf(shim), path, args...)
 			if err != nil {
 				return 0, err
 			}
 			v = append(v, d)
 		}
 		return median(v), nil
+	}
+	// /bin/true: preloading the shim must cost nothing measurable.
+	p, err := interleaved(b.rounds, func(shim bool) (float64, error) { return medianOf(20, shim, "/bin/true") })
+	if err != nil {
+		return err
+	}
+	b.report("start_true_no_shim", p.off/1e6, "ms/process", info(""))
+	b.report("start_true_shim", p.on/1e6, "ms/process", info(""))
+	b.report("start_true_overhead", p.diff/1e3, "us/process", info("~0 (no work at load)"))
+	p, err = interleaved(b.rounds, func(shim bool) (float64, error) {
+		return medianOf(10, shim, n.Paths.Workload, "info")
 	})
 	if err != nil {
 		return err
 	}
-	b.report("start_true_no_shim", off/1e6, "ms", "")
-	b.report("start_true_shim", on/1e6, "ms", "")
-	b.report("start_true_overhead", (on-off)/1e3, "us", "~0 (no work at load)")
-	for _, procs := range []int{1, 64} {
-		off, on, err := b.sideBySide(func(shim bool) (float64, error) {
-			return medianOfParallel(procs, func() (float64, error) {
-				env := n.Env()
-				if shim {
-					env = n.ShimEnv(0)
-				}
-				return timeOne(env, n.Paths.Workload, "info")
-			})
-		})
-		if err != nil {
-			return err
+	b.report("start_cuda_no_shim_1proc", p.off/1e6, "ms/process", info(""))
+	b.report("start_cuda_shim_1proc", p.on/1e6, "ms/process", info(""))
+	b.report("attach_1proc", p.diff/1e6, "ms/process", atMost(0.5, ""))
+	const procs = 64
+	p, err = interleaved(b.rounds, func(shim bool) (float64, error) {
+		t0 := time.Now()
+		if _, err := medianOfParallel(procs, func() (float64, error) {
+			return timeOne(envOf(shim), n.Paths.Workload, "info")
+		}); err != nil {
+			return 0, err
 		}
-		b.report(fmt.Sprintf("start_cuda_no_shim_%dproc", procs), off/1e6, "ms", "")
-		b.report(fmt.Sprintf("start_cuda_shim_%dproc", procs), on/1e6, "ms", "")
-		b.report(fmt.Sprintf("attach_%dproc", procs), (on-off)/1e6, "ms/process", "<= 5")
+		return float64(time.Since(t0).Nanoseconds()), nil
+	})
+	if err != nil {
+		return err
 	}
+	b.report(fmt.Sprintf("start_cuda_no_shim_%dproc_total", procs), p.off/1e6, "ms total", info(""))
+	b.report(fmt.Sprintf("start_cuda_shim_%dproc_total", procs), p.on/1e6, "ms total", info(""))
+	b.report(fmt.Sprintf("attach_%dproc_total_extra", procs), p.diff/1e6, "ms total", atMost(50, fmt.Sprintf("(%d processes at once)", procs)))
 	return nil
 }
 
@@ -391,14 +444,14 @@ func (b *bench) shareError() error {
 				if err != nil {
 					return err
 				}
-				b.report(fmt.Sprintf("share_error_%s_%s_%d", p, name, k), worst, "points", "<= 2")
+				b.report(fmt.Sprintf("share_error_%s_%s_%d", p, name, k), worst, "points", atMost(2, ""))
 			}
 			for _, k := range []int{2, 8} {
 				worst, err := b.shareCase(p, m, splits[k], mixedKernels)
 				if err != nil {
 					return err
 				}
-				b.report(fmt.Sprintf("share_error_%s_%s_%d_mixed", p, name, k), worst, "points", "<= 2")
+				b.report(fmt.Sprintf("share_error_%s_%s_%d_mixed", p, name, k), worst, "points", atMost(2, ""))
 			}
 		}
 	}
@@ -488,7 +541,7 @@ func (b *bench) reclaim() error {
 		}
 		vals = append(vals, v)
 	}
-	b.report("reclaim_idle_to_busy", median(vals), "ms", "<= 100 (goal 50)")
+	b.report("reclaim_idle_to_busy", median(vals), "ms", atMost(20, ""))
 	return nil
 }
 
@@ -559,7 +612,7 @@ func (b *bench) enforcerCPU() error {
 	if err != nil {
 		return err
 	}
-	b.report("enforcer_cpu_idle", idle, "% of a core", "")
+	b.report("enforcer_cpu_idle", idle, "% of a core", info(""))
 	if _, err := startBusy16(n, 17); err != nil {
 		return err
 	}
@@ -568,7 +621,88 @@ func (b *bench) enforcerCPU() error {
 	if err != nil {
 		return err
 	}
-	b.report("enforcer_cpu_16_busy", busy, "% of a core", "")
+	b.report("enforcer_cpu_16_busy", busy, "% of a core", atMost(1.5, ""))
+	return nil
+}
+
+// scaleInstances is the size of the scale section's device.
+const scaleInstances = 64
+
+// scaleCore is the core of scale instance i: 36 of 2 and 28 of 1, the
+// whole device (100) in 64 instances.
+func scaleCore(i int) int {
+	if i < 36 {
+		return 2
+	}
+	return 1
+}
+
+// scale: 64 fixed-share instances (scaleCore: the whole device), one
+// process each, saturating with short kernels (100 µs): the enforcer's CPU
+// (beside enforcer_cpu_16_busy, so that its growth with instances shows;
+// the arbiter's own tick at 64 instances is arbiter_tick_64_instances) and
+// the worst share error over the window.
+func (b *bench) scale() error {
+	n, err := harness.NewNode(harness.NodeConfig{MaxInstances: scaleInstances})
+	if err != nil {
+		return err
+	}
+	defer func() { _ = n.Close() }()
+	if err := n.StartEnforcer(0); err != nil {
+		return err
+	}
+	// 10 s at least: the process's CPU time is counted in clock ticks
+	// (10 ms); starting 64 processes takes a while on a small machine.
+	win := max(b.window, 10*time.Second)
+	secs := win + 30*time.Second
+	var jobs []*harness.Job
+	defer func() {
+		for _, j := range jobs {
+			j.Kill()
+		}
+	}()
+	for i := range scaleInstances {
+		j, err := n.Start(harness.RunSpec{Device: 0, Core: scaleCore(i), MemoryMiB: 256,
+			Args: []string{"compute", "--api", "launch", "--kernel-us", "100", "--depth", "4", "--seconds", fmt.Sprintf("%.0f", secs.Seconds())}})
+		if err != nil {
+			return err
+		}
+		jobs = append(jobs, j)
+	}
+	if err := waitStarted(jobs); err != nil {
+		return err
+	}
+	time.Sleep(time.Second) // settle; the window below is the measurement
+	pids := make([]map[int]bool, len(jobs))
+	for i, j := range jobs {
+		pids[i] = j.Pids()
+	}
+	pid := n.EnforcerPID(0)
+	c0, err := cpuSeconds(pid)
+	if err != nil {
+		return err
+	}
+	a, err := n.Sample()
+	if err != nil {
+		return err
+	}
+	time.Sleep(win)
+	z, err := n.Sample()
+	if err != nil {
+		return err
+	}
+	c1, err := cpuSeconds(pid)
+	if err != nil {
+		return err
+	}
+	wall := z.At.Sub(a.At).Seconds()
+	worst := 0.0
+	for i := range jobs {
+		worst = max(worst, math.Abs(harness.Share(a, z, 0, pids[i])-float64(scaleCore(i))))
+	}
+	b.report(fmt.Sprintf("scale_%d_enforcer_cpu", scaleInstances), 100*(c1-c0)/wall, "% of a core", info(fmt.Sprintf("(%d busy instances)", scaleInstances)))
+	b.report(fmt.Sprintf("scale_%d_device_busy", scaleInstances), harness.Share(a, z, 0, nil), "%", info(""))
+	b.report(fmt.Sprintf("scale_%d_share_error", scaleInstances), worst, "points", atMost(2, "(worst instance)"))
 	return nil
 }
 
@@ -650,10 +784,10 @@ func (b *bench) hookCost() error {
 			return err
 		}
 		ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
-		b.report("hook_create_"+engine+"_without", ms(e2e.Median(res.CreateWithout)), "ms", "")
-		b.report("hook_create_"+engine+"_with", ms(e2e.Median(res.CreateWith)), "ms", "")
-		b.report("hook_create_overhead_"+engine, ms(res.CreateOverhead()), "ms", "<= 20")
-		b.report("hook_remove_overhead_"+engine, ms(res.RemoveOverhead()), "ms", "")
+		b.report("hook_create_"+engine+"_without", ms(e2e.Median(res.CreateWithout)), "ms/container", info(""))
+		b.report("hook_create_"+engine+"_with", ms(e2e.Median(res.CreateWith)), "ms/container", info(""))
+		b.report("hook_create_overhead_"+engine, ms(res.CreateOverhead()), "ms/container", atMost(20, ""))
+		b.report("hook_remove_overhead_"+engine, ms(res.RemoveOverhead()), "ms/container", info(""))
 	}
 	return nil
 }
@@ -692,15 +826,15 @@ func (b *bench) priority() error {
 				return fmt.Errorf("online_offline_switch %d, model %s: %w", sw, m, err)
 			}
 			for i, p := range []string{"p50", "p90", "p99"} {
-				b.report(pre+"online_"+p+"_alone_"+name, res.alone[i], "ms", "")
-				b.report(pre+"online_"+p+"_beside_offline_"+name, res.beside[i], "ms", "")
+				b.report(pre+"online_"+p+"_alone_"+name, res.alone[i], "ms", info(""))
+				b.report(pre+"online_"+p+"_beside_offline_"+name, res.beside[i], "ms", info(""))
 			}
-			b.report(pre+"online_requests_alone_"+name, float64(res.n[0]), "", "")
-			b.report(pre+"online_requests_beside_offline_"+name, float64(res.n[1]), "", "")
-			b.report(pre+"online_p50_ratio_"+name, res.beside[0]/res.alone[0], "x", "")
-			b.report(pre+"online_p99_ratio_"+name, res.beside[2]/res.alone[2], "x", "<= 1.10")
-			b.report(pre+"offline_of_idle_"+name, res.offlineOfIdle, "%", ">= 80")
-			b.report(pre+"device_busy_"+name, res.busy, "%", ">= 95")
+			b.report(pre+"online_requests_alone_"+name, float64(res.n[0]), "requests", info(""))
+			b.report(pre+"online_requests_beside_offline_"+name, float64(res.n[1]), "requests", info(""))
+			b.report(pre+"online_p50_ratio_"+name, res.beside[0]/res.alone[0], "x", info(""))
+			b.report(pre+"online_p99_ratio_"+name, res.beside[2]/res.alone[2], "x", atMost(1.10, ""))
+			b.report(pre+"offline_of_idle_"+name, res.offlineOfIdle, "%", atLeast(80, ""))
+			b.report(pre+"device_busy_"+name, res.busy, "%", atLeast(95, ""))
 		}
 	}
 	return nil

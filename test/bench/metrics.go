@@ -105,8 +105,8 @@ func (b *bench) metricsCost() error {
 		wall += d.Seconds() / float64(k)
 	}
 	perScrape := (on - off) / scrapes
-	b.report("metrics_scrape_cpu", 1000*perScrape, "ms/scrape", "")
-	b.report("metrics_scrape_wall", 1000*wall/float64(b.rounds), "ms", "")
-	b.report("metrics_cpu_at_15s_scrapes", 100*perScrape/15, "% of a core", "<= 0.5 (16 instances)")
+	b.report("metrics_scrape_cpu", 1000*perScrape, "ms/scrape", info(""))
+	b.report("metrics_scrape_wall", 1000*wall/float64(b.rounds), "ms/scrape", info(""))
+	b.report("metrics_cpu_at_15s_scrapes", 100*perScrape/15, "% of a core", atMost(0.5, "(16 instances)"))
 	return nil
 }

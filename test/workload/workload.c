@@ -88,6 +88,7 @@ static struct {
     long graph_nodes;
     const char *graph_build;
     long n;
+    long batches;
     long long bytes;
 } opt = {
     .resolve = "direct", .count = 1, .depth = 2, .seconds = 1, .streams = 1, .threads = 1,
@@ -113,8 +114,8 @@ static void usage(FILE *f)
             "        requests arrive every T ms; each launches K kernels (at most D in flight)\n"
             "        and waits for them; prints latency percentiles from arrival to completion\n"
             "        (--raw: then every request's latency, lat_us=N, in arrival order)\n"
-            "  bench-launch [--n N]                    ns_per_launch of 0-duration kernels\n"
-            "  bench-alloc [--n N] [--bytes B] [--api NAME]   ns_per_alloc of alloc+free pairs\n"
+            "  bench-launch [--n N] [--batches B]      ns_per_launch of 0-duration kernels\n"
+            "  bench-alloc [--n N] [--batches B] [--bytes B] [--api NAME]   ns_per_alloc of alloc+free pairs\n"
             "  fork [--kernel-us U]                    CUDA in the parent, then in a forked child\n"
             "A kernel's duration is its first parameter (uint64 ns), as fakecuda expects.\n");
 }
@@ -829,50 +830,105 @@ static int cmd_serve(void)
 }
 
 /* ---- benchmarks ---- */
+
+/* CPU time of the calling thread, in ns: unlike the wall clock it does not
+ * count the time the thread waited for a CPU that other processes held.
+ * The shim does its work in the caller's thread (it starts none); the
+ * simulated device of fakecuda runs in threads of its own, whose time would
+ * swamp what is measured. */
+static uint64_t cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* Runs op opt.n times in opt.batches batches, calling settle (if any,
+ * untimed) after each, and prints, for key, the wall ns per op over all
+ * (key=, settling included) and the median over the batches of the CPU ns
+ * per op (cpu_key=). */
+static void bench_batches(const char *key, void (*op)(long i), void (*settle)(void))
+{
+    uint64_t *per = calloc((size_t)opt.batches, sizeof *per);
+    if (!per)
+        die("out of host memory");
+    uint64_t t0 = now_ns();
+    long done = 0;
+    for (long b = 0; b < opt.batches; b++) {
+        long k = opt.n / opt.batches + (b < opt.n % opt.batches);
+        uint64_t c0 = cpu_ns();
+        for (long i = 0; i < k; i++)
+            op(done + i);
+        per[b] = (cpu_ns() - c0) * 1000 / (uint64_t)k; /* ps per op */
+        done += k;
+        if (settle)
+            settle();
+    }
+    uint64_t dt = now_ns() - t0;
+    qsort(per, (size_t)opt.batches, sizeof *per, cmp_u64);
+    printf("%s=%.1f cpu_%s=%.1f batches=%ld ", key, (double)dt / (double)opt.n, key,
+           (double)per[opt.batches / 2] / 1000.0, opt.batches);
+    free(per);
+}
+
+static CUstream launch_stream;
+static void *launch_params[1];
+
+static void launch_op(long i)
+{
+    (void)i;
+    CUresult r = cu.cuLaunchKernel(kernel, 1, 1, 1, 32, 1, 1, 0, launch_stream, launch_params, NULL);
+    if (r != CUDA_SUCCESS)
+        die("cuLaunchKernel -> %s (%d)", errname(r), (int)r);
+}
+
+static void launch_settle(void)
+{
+    CK(cu.cuStreamSynchronize(launch_stream));
+}
+
 static int cmd_bench_launch(void)
 {
+    if (opt.batches == 0) /* default: the fewest batches of at most 1024 */
+        opt.batches = (opt.n + 1023) / 1024;
+    if (opt.n / opt.batches > 1024)
+        die("bench-launch: at most 1024 launches a batch (--n / --batches), the stream is synchronised between batches");
     setup();
     load_kernel();
-    CUstream s;
-    CK(cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CK(cu.cuStreamCreate(&launch_stream, CU_STREAM_NON_BLOCKING));
     uint64_t zero = 0;
-    void *params[] = {&zero};
+    launch_params[0] = &zero;
     for (int i = 0; i < 1024; i++) /* warm up */
-        CK(cu.cuLaunchKernel(kernel, 1, 1, 1, 32, 1, 1, 0, s, params, NULL));
-    CK(cu.cuStreamSynchronize(s));
-    uint64_t t0 = now_ns();
-    for (long i = 0; i < opt.n; i++) {
-        CUresult r = cu.cuLaunchKernel(kernel, 1, 1, 1, 32, 1, 1, 0, s, params, NULL);
-        if (r != CUDA_SUCCESS)
-            die("cuLaunchKernel -> %s (%d)", errname(r), (int)r);
-        if ((i & 1023) == 1023)
-            CK(cu.cuStreamSynchronize(s));
-    }
-    CK(cu.cuStreamSynchronize(s));
-    uint64_t dt = now_ns() - t0;
-    printf("ns_per_launch=%.1f launches=%ld\n", (double)dt / (double)opt.n, opt.n);
+        CK(cu.cuLaunchKernel(kernel, 1, 1, 1, 32, 1, 1, 0, launch_stream, launch_params, NULL));
+    CK(cu.cuStreamSynchronize(launch_stream));
+    bench_batches("ns_per_launch", launch_op, launch_settle);
+    printf("launches=%ld\n", opt.n);
     return 0;
+}
+
+static const char *alloc_api;
+
+static void alloc_op(long i)
+{
+    (void)i;
+    struct alloc_h h;
+    CUresult r = do_alloc(alloc_api, (uint64_t)opt.bytes, &h);
+    if (r != CUDA_SUCCESS)
+        die("%s -> %s (%d)", alloc_api, errname(r), (int)r);
+    CK(do_free(alloc_api, &h));
 }
 
 static int cmd_bench_alloc(void)
 {
-    const char *api = opt.api ? opt.api : "cuMemAlloc_v2";
+    alloc_api = opt.api ? opt.api : "cuMemAlloc_v2";
+    if (opt.batches == 0)
+        opt.batches = 1;
     setup();
     CK(cu.cuStreamCreate(&alloc_stream, CU_STREAM_NON_BLOCKING));
-    struct alloc_h h;
-    for (int i = 0; i < 256; i++) { /* warm up */
-        CK(do_alloc(api, (uint64_t)opt.bytes, &h));
-        CK(do_free(api, &h));
-    }
-    uint64_t t0 = now_ns();
-    for (long i = 0; i < opt.n; i++) {
-        CUresult r = do_alloc(api, (uint64_t)opt.bytes, &h);
-        if (r != CUDA_SUCCESS)
-            die("%s -> %s (%d)", api, errname(r), (int)r);
-        CK(do_free(api, &h));
-    }
-    uint64_t dt = now_ns() - t0;
-    printf("ns_per_alloc=%.1f allocs=%ld bytes=%lld api=%s\n", (double)dt / (double)opt.n, opt.n, opt.bytes, api);
+    for (int i = 0; i < 256; i++) /* warm up */
+        alloc_op(i);
+    bench_batches("ns_per_alloc", alloc_op, NULL);
+    printf("allocs=%ld bytes=%lld api=%s\n", opt.n, opt.bytes, alloc_api);
     return 0;
 }
 
@@ -1005,6 +1061,8 @@ int main(int argc, char **argv)
             opt.graph_build = VAL();
         } else if (strcmp(a, "--n") == 0) {
             opt.n = num(a, VAL());
+        } else if (strcmp(a, "--batches") == 0) {
+            opt.batches = num(a, VAL());
         } else if (strcmp(a, "--bytes") == 0) {
             opt.bytes = num(a, VAL());
         } else if (a[0] == '-') {
@@ -1021,8 +1079,8 @@ int main(int argc, char **argv)
         usage(stderr);
         return 1;
     }
-    if (opt.count < 1 || opt.n < 1)
-        die("--count and --n must be >= 1");
+    if (opt.count < 1 || opt.n < 1 || opt.batches < 0 || opt.batches > opt.n)
+        die("--count and --n must be >= 1, --batches between 1 and --n");
     resolve();
     if (strcmp(cmd, "info") == 0)
         return cmd_info();

@@ -54,6 +54,7 @@ static const mgpu_entry mgpu_entries[] = {
 	OFF(mgpu_control_t, heartbeat_ns),
 	OFF(mgpu_control_t, contended),
 	OFF(mgpu_control_t, wake),
+	OFF(mgpu_control_t, used),
 	OFF(mgpu_control_t, reserved_ctl),
 	OFF(mgpu_control_t, reserved_tail),
 	OFF(mgpu_control_t, slots),

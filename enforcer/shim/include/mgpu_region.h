@@ -6,8 +6,8 @@
  * and offset against this file) and the shim (C, enforcer/shim).
  *
  * One region exists per instance (mgpuXinstY), all created by the enforcer
- * (version 3; version 2 kept the slots as files beside the control file,
- * version 1 was one writable file):
+ * (version 4; version 3 had no used bitmap, version 2 kept the slots as
+ * files beside the control file, version 1 was one writable file):
  *
  *   control   mgpu_control_t, the file /run/mgpu/gpuX/regions/mgpuXinstY/
  *             control: identity, quotas, grant, heartbeat, and the owner
@@ -42,11 +42,16 @@
  *    the shim writes only its own slot.  Instance totals are sums over
  *    slots, so a process that dies leaves nothing half-updated: the enforcer
  *    reaps its slot whole.
+ *  - The enforcer keeps control->used, a bitmap of the taken slots: a slot's
+ *    bit is set after its owner is written and before the process gets its
+ *    answer, and cleared after its counters were zeroed.  A process reads
+ *    the bitmap instead of every slot's pid.
  *  - Memory reservation (shim): add n to the own slot's mem_reserved, then sum
- *    mem_reserved over all slots; if the sum exceeds memory_limit, subtract n
- *    again and fail.  With sequentially consistent atomics the instance total
- *    can never exceed the limit (two racing reservations may both fail, never
- *    both pass over the limit).
+ *    mem_reserved over the slots of control->used; if the sum exceeds
+ *    memory_limit, subtract n again and fail.  With sequentially consistent
+ *    atomics the instance total can never exceed the limit (two racing
+ *    reservations may both fail, never both pass over the limit): a process
+ *    reserves only after its attach was answered, so after its bit was set.
  *  - grant is a futex word (shared, not private futex ops).  0 means "do not
  *    submit GPU work now"; any other value means "granted" (MGPU_GRANT_ONE
  *    with one launch outstanding per stream at most).  The enforcer wakes
@@ -65,7 +70,7 @@
 #endif
 
 #define MGPU_REGION_MAGIC 0x5550474du /* "MGPU" as little-endian bytes */
-#define MGPU_REGION_VERSION 3u
+#define MGPU_REGION_VERSION 4u
 #define MGPU_REGION_MAX_PROCS 128u
 #define MGPU_CONTROL_FILE_SIZE 8192u /* bytes; >= sizeof(mgpu_control_t), page multiple */
 #define MGPU_PROC_FILE_SIZE 4096u    /* bytes of each slot's memfd; one page */
@@ -154,7 +159,11 @@ typedef struct mgpu_control {
      * when queued_ns falls to 0 (an offline instance waits for this one to
      * be quiet).  0: no wake wanted. */
     MGPU_ATOMIC(uint32_t) wake;
-    uint64_t reserved_ctl[5];
+    /* The taken slots, bit i%64 of used[i/64] for slot i (see the
+     * concurrency rules above): what a process sums its instance's memory
+     * reservations over, without reading every slot's pid. */
+    MGPU_ATOMIC(uint64_t) used[MGPU_REGION_MAX_PROCS / 64];
+    uint64_t reserved_ctl[3];
 
     uint64_t reserved_tail[16];
 

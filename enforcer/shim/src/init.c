@@ -8,6 +8,7 @@
  * call that needs a region.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -280,6 +281,36 @@ static int sock_path(char *buf, size_t len, unsigned idx)
 {
     int n = snprintf(buf, len, "%s/gpu%u/client/client.sock", run_dir(), idx);
     return n < 0 || (size_t)n >= len ? -1 : 0;
+}
+
+/* One more than the highest X below MGPU_MAX_DEVICES whose
+ * gpuX/client/client.sock exists in the run directory (0: none).  It
+ * looks only at the gpuX entries the directory has: a stat of every
+ * possible X was a tenth of a millisecond of each process's start. */
+static int count_devices(void)
+{
+    DIR *dir = opendir(run_dir());
+    if (!dir)
+        return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(dir))) {
+        const char *c = e->d_name;
+        if (strncmp(c, "gpu", 3) != 0 || c[3] < '0' || c[3] > '9' || (c[3] == '0' && c[4]))
+            continue;
+        unsigned x = 0;
+        for (c += 3; *c >= '0' && *c <= '9' && x < MGPU_MAX_DEVICES; c++)
+            x = x * 10 + (unsigned)(*c - '0');
+        char rel[64];
+        struct stat st;
+        if (*c || x >= MGPU_MAX_DEVICES || (int)x < n)
+            continue;
+        snprintf(rel, sizeof rel, "gpu%u/client/client.sock", x);
+        if (fstatat(dirfd(dir), rel, &st, 0) == 0)
+            n = (int)x + 1;
+    }
+    closedir(dir);
+    return n;
 }
 
 static int write_all(int fd, const void *buf, size_t len)
@@ -736,11 +767,7 @@ static enum mgpu_state do_attach(void)
         }
     } else {
         /* Default: ordinal k is host device k, for the devices that have a socket. */
-        for (unsigned i = 0; i < MGPU_MAX_DEVICES; i++) {
-            struct stat st;
-            if (sock_path(path, sizeof path, i) == 0 && stat(path, &st) == 0)
-                n = (int)i + 1;
-        }
+        n = count_devices();
         for (int i = 0; i < n; i++)
             idx[i] = (unsigned)i;
         if (n == 0) { /* no enforcer at all: report device 0 */
@@ -855,39 +882,58 @@ CUresult mgpu_resolve_dev(int ordinal, struct mgpu_dev **pd)
     return *pd ? CUDA_SUCCESS : err;
 }
 
+/* Maps slot i, taken after the enforcer last answered a peers request:
+ * asks again (twice at most).  Returns 0, or -1 when the slot stays
+ * unknown. */
+static int map_peer(struct mgpu_dev *d, unsigned i)
+{
+    uint64_t bit = 1ull << (i % 64);
+    for (int tries = 0; !(atomic_load(&d->mapped[i / 64]) & bit); tries++) {
+        /* A slot being freed may still show its bit: its pid goes first. */
+        if (atomic_load(&d->region->slots[i].pid) == 0)
+            return 0;
+        if (tries == 2)
+            return -1;
+        char err[256];
+        pthread_mutex_lock(&g_peers_mu);
+        int r = (atomic_load(&d->mapped[i / 64]) & bit) ? 0 : fetch_peers(d, err, sizeof err);
+        pthread_mutex_unlock(&g_peers_mu);
+        if (r) {
+            fprintf(stderr, "mgpu: cannot read the instance's other processes' memory (%s); the allocation fails\n",
+                    err);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 uint64_t mgpu_instance_used(struct mgpu_dev *d)
 {
     /* The own slot through its writable mapping; the other taken slots
-     * (control->slots[i].pid) through read-only mappings, asked for from the
+     * (control->used) through read-only mappings, asked for from the
      * enforcer the first time a slot is seen taken.  A slot's counters are
-     * zero whenever its pid is (the enforcer clears them first), so free
-     * slots are skipped.  A slot's value is what its process claims: a huge
+     * zero whenever its bit is clear (the enforcer clears them first), and
+     * a mapping of a slot never goes stale (mgpu_region.h), so a slot freed
+     * meanwhile adds 0.  A slot's value is what its process claims: a huge
      * one makes this instance's allocations fail, never another's. */
     uint64_t sum = atomic_load(&d->slot->mem_reserved);
-    for (unsigned i = 0; i < MGPU_REGION_MAX_PROCS; i++) {
-        uint64_t bit = 1ull << (i % 64);
-        /* A slot taken after the enforcer answered is missing from that
-         * answer: ask again (twice at most for one slot). */
-        for (int tries = 0; i != d->own && atomic_load(&d->region->slots[i].pid) != 0 &&
-                            !(atomic_load(&d->mapped[i / 64]) & bit);
-             tries++) {
-            if (tries == 2)
-                return UINT64_MAX; /* unknown: fail closed */
-            char err[256];
-            pthread_mutex_lock(&g_peers_mu);
-            int r = (atomic_load(&d->mapped[i / 64]) & bit) ? 0 : fetch_peers(d, err, sizeof err);
-            pthread_mutex_unlock(&g_peers_mu);
-            if (r) {
-                fprintf(stderr, "mgpu: cannot read the instance's other processes' memory (%s); the allocation fails\n",
-                        err);
-                return UINT64_MAX;
+    for (unsigned w = 0; w < MGPU_REGION_MAX_PROCS / 64; w++) {
+        uint64_t taken = atomic_load(&d->region->used[w]);
+        if (w == d->own / 64)
+            taken &= ~(1ull << (d->own % 64));
+        for (; taken; taken &= taken - 1) {
+            unsigned i = w * 64 + (unsigned)__builtin_ctzll(taken);
+            uint64_t bit = 1ull << (i % 64);
+            if (!(atomic_load(&d->mapped[w]) & bit)) {
+                if (map_peer(d, i))
+                    return UINT64_MAX; /* unknown: fail closed */
+                if (!(atomic_load(&d->mapped[w]) & bit))
+                    continue; /* freed meanwhile */
             }
+            const mgpu_proc_t *p = (const mgpu_proc_t *)(const void *)(d->procs + (size_t)i * MGPU_PROC_FILE_SIZE);
+            uint64_t v = atomic_load(&p->mem_reserved);
+            sum = sum + v < sum ? UINT64_MAX : sum + v;
         }
-        if (i == d->own || !(atomic_load(&d->mapped[i / 64]) & bit) || atomic_load(&d->region->slots[i].pid) == 0)
-            continue;
-        const mgpu_proc_t *p = (const mgpu_proc_t *)(const void *)(d->procs + (size_t)i * MGPU_PROC_FILE_SIZE);
-        uint64_t v = atomic_load(&p->mem_reserved);
-        sum = sum + v < sum ? UINT64_MAX : sum + v;
     }
     return sum;
 }

@@ -2,7 +2,7 @@
  * mem.c - device-memory quotas.
  *
  * Every allocation reserves its bytes in the process's own slot before the
- * real call (mgpu_region.h: add, sum all slots, undo if over the limit) and
+ * real call (mgpu_region.h: add, sum the taken slots, undo if over the limit) and
  * gives them back if the driver fails.  A process-local table remembers the
  * size of each live allocation so that the matching free gives back exactly
  * what was reserved.  The table's mutex is process-local: nothing in the
