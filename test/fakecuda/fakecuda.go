@@ -233,6 +233,29 @@ func ParseModel(s string) (model string, timesliceUS int, err error) {
 	return name, us, nil
 }
 
+// ParseDevice reads a device spec: a model spec (ParseModel), optionally
+// followed by "+gap:<N>us", the device's own time before each kernel
+// (FAKECUDA_KERNEL_GAP_US, 0..100000 us), so that a workload alone does
+// not keep the device 100 % busy. It returns the environment entries that
+// select it (ModelEnv's, and the gap's).
+func ParseDevice(s string) ([]string, error) {
+	spec, gap, hasGap := strings.Cut(strings.TrimSpace(s), "+")
+	model, us, err := ParseModel(spec)
+	if err != nil {
+		return nil, err
+	}
+	env := ModelEnv(model, us)
+	if !hasGap {
+		return env, nil
+	}
+	v, ok := strings.CutPrefix(gap, "gap:")
+	n, err := strconv.Atoi(strings.TrimSuffix(v, "us"))
+	if !ok || !strings.HasSuffix(v, "us") || err != nil || n < 0 || n > 100000 {
+		return nil, fmt.Errorf("fakecuda: device %q: want <model>+gap:<N>us with N in 0..100000", s)
+	}
+	return append(env, "FAKECUDA_KERNEL_GAP_US="+strconv.Itoa(n)), nil
+}
+
 // ModelEnv returns the environment entries that select a device model
 // (FAKECUDA_DEVICE_MODEL; FAKECUDA_TIMESLICE_US when timesliceUS > 0). They
 // take effect in the process that creates the state (the first cuInit or

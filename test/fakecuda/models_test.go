@@ -586,3 +586,40 @@ func TestParseModel(t *testing.T) {
 		}
 	}
 }
+
+// The device's own gap before each kernel (FAKECUDA_KERNEL_GAP_US): a lone
+// process's kernels run their duration (kernel_ns) while it holds the
+// device for the gaps as well (busy_ns), and its events time both, so that
+// alone it keeps the device busy with kernels dur/(dur+gap) of the time,
+// under every model.
+func TestModelKernelGap(t *testing.T) {
+	const dur, gap, count = 200.0, 50.0, 40
+	for _, spec := range []string{"slice", "timer:1ms", "kernel"} {
+		t.Run(spec, func(t *testing.T) {
+			attempts(t, func(t *testing.T, r *errs) {
+				env, err := ParseDevice(spec + "+gap:50us")
+				if err != nil {
+					t.Fatal(err)
+				}
+				e := newEnv(t, env...)
+				s := e.share(1, int(dur), count)
+				el, kn, bn := s.num(0, "elapsed_us"), s.num(0, "kernel_ns")/1e3, s.num(0, "busy_ns")/1e3
+				t.Logf("%s: events %.0f us, kernels %.0f us, held %.0f us", spec, el, kn, bn)
+				// Wake-ups late on a loaded host lengthen the kernels (the
+				// gap comes first), never the gaps.
+				if kn < count*dur {
+					r.Errorf("kernels ran %.0f us, want at least their duration %.0f", kn, count*dur)
+				}
+				if g := bn - kn; g < 0.95*count*gap {
+					r.Errorf("held %.0f us beside its kernels, want at least their gaps, %.0f us", g, count*gap)
+				}
+				if el < bn-gap {
+					r.Errorf("events %.0f us, want the kernels and their gaps (%.0f us held)", el, bn)
+				}
+			})
+		})
+	}
+	if _, err := ParseDevice("slice+gap:5ms"); err == nil {
+		t.Error("ParseDevice accepted a gap without the us unit")
+	}
+}

@@ -42,8 +42,9 @@ type NodeConfig struct {
 	// libasan preloaded before it as the sanitizer requires.
 	ASan bool
 	// DeviceModel is the simulated GPU's device model, as
-	// fakecuda.ParseModel reads it: "slice" (the default), "timer",
-	// "timer:1ms", "kernel" (test/fakecuda/README.md, "Device models").
+	// fakecuda.ParseDevice reads it: "slice" (the default), "timer",
+	// "timer:1ms", "kernel", each optionally with "+gap:<N>us"
+	// (test/fakecuda/README.md, "Device models").
 	DeviceModel string
 	// ExtraEnv is added to every workload's environment.
 	ExtraEnv []string
@@ -84,7 +85,7 @@ func NewNode(nc NodeConfig) (*Node, error) {
 	if nc.MemoryMiB == 0 {
 		nc.MemoryMiB = 81920
 	}
-	model, sliceUS, err := fakecuda.ParseModel(nc.DeviceModel)
+	env, err := fakecuda.ParseDevice(nc.DeviceModel)
 	if err != nil {
 		return nil, fmt.Errorf("harness: %w", err)
 	}
@@ -93,7 +94,7 @@ func NewNode(nc NodeConfig) (*Node, error) {
 		return nil, err
 	}
 	n := &Node{
-		modelEnv: fakecuda.ModelEnv(model, sliceUS),
+		modelEnv: env,
 		Build:    build,
 		Paths:    fakecuda.PathsIn(build),
 		CLI:      filepath.Join(build, "bin", "mgpu-cli"),
@@ -438,6 +439,28 @@ func Busy(a, b Sample, dev int, pids map[int]bool) time.Duration {
 		return t
 	}
 	return time.Duration(sum(b) - sum(a)) //nolint:gosec // busy time only grows between samples
+}
+
+// KernelShare returns the time the kernels of the processes pids ran on
+// device dev between samples a and b (kernel_ns: without the device's own
+// gaps between kernels, FAKECUDA_KERNEL_GAP_US), as a percentage of the wall
+// time: their throughput.
+func KernelShare(a, b Sample, dev int, pids map[int]bool) float64 {
+	sum := func(s Sample) uint64 {
+		d, _ := s.State.Device(dev)
+		var t uint64
+		for _, p := range d.Procs {
+			if pids == nil || pids[p.PID] {
+				t += p.KernelNs
+			}
+		}
+		return t
+	}
+	wall := b.At.Sub(a.At)
+	if wall <= 0 {
+		return 0
+	}
+	return 100 * float64(sum(b)-sum(a)) / float64(wall)
 }
 
 // Share returns Busy as a percentage of the wall time between a and b.

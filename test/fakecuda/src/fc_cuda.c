@@ -876,6 +876,15 @@ static void held_release(struct held *hd)
     }
 }
 
+/* The part of seg (device time a kernel held) that its kernel ran, the
+ * rest of its gap (*gap) going first. */
+static uint64_t ran(uint64_t seg, uint64_t *gap)
+{
+    uint64_t idle = seg < *gap ? seg : *gap;
+    *gap -= idle;
+    return seg - idle;
+}
+
 static void run_kernel(CUcontext c, uint64_t dur, struct held *hd)
 {
     if (dur == 0)
@@ -899,8 +908,11 @@ static void run_kernel(CUcontext c, uint64_t dur, struct held *hd)
         hd->proc = proc;
         hd->mark = since;
     }
+    /* The device's gap before the kernel (FAKECUDA_KERNEL_GAP_US) holds it
+     * like the kernel does but runs nothing: it is busy_ns, not kernel_ns. */
+    uint64_t gap = (uint64_t)d->gap_us * 1000;
     uint64_t t0 = fc_now_ns();
-    uint64_t end = t0 + dur;
+    uint64_t end = t0 + gap + dur;
     uint64_t t1;
     /* the timer model preempts at the end of the slice */
     uint64_t se = d->model == FC_MODEL_TIMER ? fc_exec_slice_end(d, hd->ticket) : UINT64_MAX;
@@ -916,7 +928,7 @@ static void run_kernel(CUcontext c, uint64_t dur, struct held *hd)
         /* The slice ended inside the kernel: if another process waits, the
          * kernel leaves the device with the time it ran and queues again
          * for the rest; otherwise it runs on in a new slice. */
-        int keep = fc_exec_preempt(d, hd->ticket, proc, t1 - hd->mark, t1 - t0, &se);
+        int keep = fc_exec_preempt(d, hd->ticket, proc, t1 - hd->mark, ran(t1 - t0, &gap), &se);
         hd->mark = t1;
         t0 = t1;
         if (keep)
@@ -930,7 +942,7 @@ static void run_kernel(CUcontext c, uint64_t dur, struct held *hd)
     }
     /* Recorded now, so that a process that exits right after its last
      * kernel leaves a complete record. */
-    fc_exec_account(d, hd->ticket, proc, t1 - hd->mark, t1 - t0);
+    fc_exec_account(d, hd->ticket, proc, t1 - hd->mark, ran(t1 - t0, &gap));
     hd->mark = t1;
 }
 

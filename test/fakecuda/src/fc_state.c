@@ -198,6 +198,9 @@ static int create_file(const char *dir, const char *path, int index)
         d->slice_ns = (uint64_t)env_long("FAKECUDA_TIMESLICE_US", 2000, 100, 1000000) * 1000;
     else
         d->slice_ns = (uint64_t)env_long("FAKECUDA_TIMESLICE_US", 4000, 0, 1000000) * 1000;
+    /* A real device spends time between two kernels (launch latency, the
+     * work distributor): a process alone does not keep it 100 % busy. */
+    d->gap_us = (uint32_t)env_long("FAKECUDA_KERNEL_GAP_US", 0, 0, 100000);
     d->index = (uint32_t)index;
     d->size = sizeof(*d);
     snprintf(d->name, sizeof(d->name), "%s", fc_env_name());

@@ -86,7 +86,7 @@ struct fc_dev {
     char name[FC_NAME_LEN];
     uint64_t mem_total;
     uint32_t model;        /* FC_MODEL_*, fixed by the creator */
-    uint32_t pad0;
+    uint32_t gap_us;       /* FAKECUDA_KERNEL_GAP_US: device time before each kernel starts (fixed by the creator) */
     pthread_mutex_t mu;
     /* guarded by mu */
     uint64_t mem_used;
