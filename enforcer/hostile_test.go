@@ -298,20 +298,28 @@ func TestPidReuseGetsNoRegion(t *testing.T) {
 			name = "Linux before 6.5"
 		}
 		t.Run(name, func(t *testing.T) {
-			env := newEnv(t, nil)
-			cmd := exec.Command(os.Args[0], "-test.run=^$")
-			cmd.Env = append(os.Environ(), envHostileRole+"="+roleReuseNS, "MGPU_TEST_CONFIG="+env.cfgPath, "MGPU_TEST_OLD_KERNEL="+strconv.FormatBool(old))
-			cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS}
-			cmd.Stderr = os.Stderr
-			out, err := cmd.Output()
-			t.Logf("%s", out)
-			if err != nil {
-				t.Fatalf("scenario: %v", err)
-			}
+			// The scenario cannot always put the pid on the victim: a
+			// thread the Go runtime starts in the namespace meanwhile
+			// may take it for good. Then it runs again, in a new
+			// namespace.
+			var out []byte
 			res := map[string]string{}
-			for _, f := range strings.Fields(string(out)) {
-				if k, v, ok := strings.Cut(f, "="); ok {
-					res[k] = v
+			for try := 0; try < 5 && res["reused"] != "true"; try++ {
+				env := newEnv(t, nil)
+				cmd := exec.Command(os.Args[0], "-test.run=^$")
+				cmd.Env = append(os.Environ(), envHostileRole+"="+roleReuseNS, "MGPU_TEST_CONFIG="+env.cfgPath, "MGPU_TEST_OLD_KERNEL="+strconv.FormatBool(old))
+				cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS}
+				cmd.Stderr = os.Stderr
+				var err error
+				out, err = cmd.Output()
+				t.Logf("try %d: %s", try, out)
+				if err != nil {
+					t.Fatalf("scenario: %v", err)
+				}
+				for _, f := range strings.Fields(string(out)) {
+					if k, v, ok := strings.Cut(f, "="); ok {
+						res[k] = v
+					}
 				}
 			}
 			if res["reused"] != "true" {
