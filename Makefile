@@ -52,7 +52,7 @@ test: deps build
 	$(GO) test -p 1 -count=1 -timeout 40m $(SERIAL_PKGS)
 
 # fuzz: every Fuzz function in the repository, FUZZTIME each beyond its
-# seed corpus (scripts/fuzz.sh says how); 33 fuzzers at 5 s are about 5
+# seed corpus (scripts/fuzz.sh says how); 29 fuzzers at 5 s are about 5
 # minutes on 2 cores, most of it building the instrumented binaries.
 FUZZTIME ?= 5s
 fuzz:
