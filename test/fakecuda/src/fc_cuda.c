@@ -40,6 +40,7 @@ struct fc_op {
     uint32_t kind;
     uint64_t arg;
     void *ptr;
+    uint64_t at; /* when it was queued (fc_now_ns), set by push_locked */
 };
 
 struct CUstream_st {
@@ -840,7 +841,9 @@ static void push_locked(struct CUstream_st *s, const struct fc_op *ops, size_t n
             wake_worker(s);
             stream_wait(s, t - FC_RING + 1);
         }
-        s->ring[t & (FC_RING - 1)] = ops[i];
+        struct fc_op op = ops[i];
+        op.at = fc_now_ns();
+        s->ring[t & (FC_RING - 1)] = op;
         atomic_store(&s->tail, t + 1);
     }
     wake_worker(s);
@@ -848,13 +851,13 @@ static void push_locked(struct CUstream_st *s, const struct fc_op *ops, size_t n
 
 static void push_op(struct CUstream_st *s, uint32_t kind, uint64_t arg, void *ptr)
 {
-    struct fc_op op = {kind, arg, ptr};
+    struct fc_op op = {kind, arg, ptr, 0};
     pthread_mutex_lock(&s->pmu);
     push_locked(s, &op, 1);
     pthread_mutex_unlock(&s->pmu);
 }
 
-static void event_mark(struct CUevent_st *e, uint64_t gen);
+static void event_mark(struct CUevent_st *e, uint64_t gen, uint64_t ts);
 static void event_wake(struct CUevent_st *e);
 static void event_unref(struct CUevent_st *e);
 static void free_linear(CUdeviceptr p);
@@ -867,13 +870,28 @@ struct held {
     uint64_t mark; /* held since; not yet recorded */
 };
 
-/* Gives the device back, recording the held time since the last kernel. */
-static void held_release(struct held *hd)
+/* The device's own timeline.  A kernel queued behind another on the stream
+ * starts when that one ends, and runs for its duration: when the worker
+ * thread wakes late (the host is busy), the device did not wait for it, so
+ * the lateness neither lengthens the kernel nor delays the next one, and an
+ * event completes when the work before it did (or when it was recorded, if
+ * later).  Otherwise a loaded host would show up as GPU time of whoever
+ * holds the device, which no real GPU does and nothing in mgpu can see.
+ * Hand-offs between processes (time slices, a stream running dry) stay in
+ * host time: the device is held until the worker gives it back. */
+static uint64_t later(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+/* Gives the device back, recording the held time since the last kernel
+ * (the worker noticing that its queue ran dry is host time, as a hand-off
+ * is: the device's own timeline, below).  Returns when, 0 if it held none. */
+static uint64_t held_release(struct held *hd)
 {
-    if (hd->d) {
-        fc_exec_release(hd->d, hd->ticket, hd->proc, fc_now_ns() - hd->mark);
-        hd->d = NULL;
-    }
+    if (!hd->d)
+        return 0;
+    uint64_t now = fc_now_ns();
+    fc_exec_release(hd->d, hd->ticket, hd->proc, now - hd->mark);
+    hd->d = NULL;
+    return now;
 }
 
 /* The part of seg (device time a kernel held) that its kernel ran, the
@@ -885,7 +903,9 @@ static uint64_t ran(uint64_t seg, uint64_t *gap)
     return seg - idle;
 }
 
-static void run_kernel(CUcontext c, uint64_t dur, struct held *hd)
+/* Runs a kernel of dur ns queued at `at`; *vcur is the stream's device
+ * time (when its previous op completed), moved to the kernel's end. */
+static void run_kernel(CUcontext c, uint64_t dur, uint64_t at, uint64_t *vcur, struct held *hd)
 {
     if (dur == 0)
         return; /* takes no device time */
@@ -895,15 +915,17 @@ static void run_kernel(CUcontext c, uint64_t dur, struct held *hd)
     if (hd->d && hd->d != d) {
         held_release(hd);
     } else if (hd->d) {
-        uint64_t now = fc_now_ns();
-        if (fc_exec_continue(hd->d, hd->ticket, hd->proc, now - hd->mark))
-            hd->mark = now;
+        /* held since the previous kernel ended (mark): idle until this one
+         * was queued, if it came later */
+        uint64_t start = later(hd->mark, at);
+        if (fc_exec_continue(hd->d, hd->ticket, hd->proc, start - hd->mark))
+            hd->mark = start;
         else
             hd->d = NULL; /* the slice ended: fc_exec_continue handed the device on */
     }
     if (!hd->d) {
         uint64_t since;
-        hd->ticket = fc_exec_acquire(d, proc, &since);
+        hd->ticket = fc_exec_acquire(d, proc, at, &since);
         hd->d = d;
         hd->proc = proc;
         hd->mark = since;
@@ -911,9 +933,8 @@ static void run_kernel(CUcontext c, uint64_t dur, struct held *hd)
     /* The device's gap before the kernel (FAKECUDA_KERNEL_GAP_US) holds it
      * like the kernel does but runs nothing: it is busy_ns, not kernel_ns. */
     uint64_t gap = (uint64_t)d->gap_us * 1000;
-    uint64_t t0 = fc_now_ns();
+    uint64_t t0 = later(hd->mark, at);
     uint64_t end = t0 + gap + dur;
-    uint64_t t1;
     /* the timer model preempts at the end of the slice */
     uint64_t se = d->model == FC_MODEL_TIMER ? fc_exec_slice_end(d, hd->ticket) : UINT64_MAX;
     for (;;) {
@@ -922,34 +943,38 @@ static void run_kernel(CUcontext c, uint64_t dur, struct held *hd)
         struct timespec ts = {(time_t)(wake / 1000000000ULL), (long)(wake % 1000000000ULL)};
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
             ;
-        t1 = fc_now_ns();
+        uint64_t t1 = fc_now_ns();
         if (t1 >= end)
             break;
         /* The slice ended inside the kernel: if another process waits, the
          * kernel leaves the device with the time it ran and queues again
-         * for the rest; otherwise it runs on in a new slice. */
+         * for the rest; otherwise it runs on in a new slice.  (A slice
+         * ends in host time, when the worker wakes for it.) */
         int keep = fc_exec_preempt(d, hd->ticket, proc, t1 - hd->mark, ran(t1 - t0, &gap), &se);
         hd->mark = t1;
         t0 = t1;
         if (keep)
             continue;
         uint64_t left = end - t1, since;
-        hd->ticket = fc_exec_acquire(d, proc, &since);
+        hd->ticket = fc_exec_acquire(d, proc, t1, &since);
         hd->mark = since;
         se = fc_exec_slice_end(d, hd->ticket);
-        t0 = fc_now_ns();
+        t0 = since;
         end = t0 + left;
     }
     /* Recorded now, so that a process that exits right after its last
-     * kernel leaves a complete record. */
-    fc_exec_account(d, hd->ticket, proc, t1 - hd->mark, ran(t1 - t0, &gap));
-    hd->mark = t1;
+     * kernel leaves a complete record.  It ended at `end`, however late
+     * the worker woke. */
+    fc_exec_account(d, hd->ticket, proc, end - hd->mark, ran(end - t0, &gap));
+    hd->mark = end;
+    *vcur = end;
 }
 
 static void *worker_main(void *p)
 {
     struct CUstream_st *s = p;
     struct held hd = {0};
+    uint64_t vcur = 0; /* the stream's device time: when its last op completed */
     prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL); /* kernels end on time, not 50 us late */
     for (;;) {
         uint64_t h = atomic_load(&s->head);
@@ -969,7 +994,7 @@ static void *worker_main(void *p)
         }
         struct fc_op op = s->ring[h & (FC_RING - 1)];
         switch (op.kind) {
-        case OP_KERNEL: run_kernel(s->ctx, op.arg, &hd); break;
+        case OP_KERNEL: run_kernel(s->ctx, op.arg, op.at, &vcur, &hd); break;
         case OP_EVENT: break; /* completed below, once the stream has moved past it */
         case OP_FREE: free_linear((CUdeviceptr)op.arg); break;
         default: break;
@@ -977,8 +1002,11 @@ static void *worker_main(void *p)
         /* Nothing more queued: give the device back before anyone can learn
          * that the work is done (a process that exits right after its last
          * synchronisation must not die owning the device). */
-        if (h + 1 == atomic_load(&s->tail))
-            held_release(&hd);
+        if (h + 1 == atomic_load(&s->tail)) {
+            /* held until now: what follows on the stream (the event that
+             * tells its process) comes after that */
+            vcur = later(vcur, held_release(&hd));
+        }
         /* An event is complete before the head moves past it, so a stream
          * synchronisation that returns has every event before it complete
          * (a program that frees on a stream and synchronises it sees the
@@ -986,7 +1014,7 @@ static void *worker_main(void *p)
          * wakes sees the stream done up to it (cuStreamQuery after
          * cuEventSynchronize). */
         if (op.kind == OP_EVENT)
-            event_mark(op.ptr, op.arg);
+            event_mark(op.ptr, op.arg, later(vcur, op.at));
         atomic_store(&s->head, h + 1);
         if (op.kind == OP_EVENT) {
             event_wake(op.ptr);
@@ -1412,7 +1440,7 @@ static CUresult graph_launch(CUgraphExec e, CUstream h, int ptds)
         return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
     pthread_mutex_lock(&s->pmu);
     for (size_t i = 0; i < e->n; i++) {
-        struct fc_op op = {OP_KERNEL, e->durs[i], NULL};
+        struct fc_op op = {OP_KERNEL, e->durs[i], NULL, 0};
         push_locked(s, &op, 1);
     }
     pthread_mutex_unlock(&s->pmu);
@@ -1591,12 +1619,11 @@ static void event_unref(struct CUevent_st *e)
 }
 
 /* The stream reached record gen of e: stamp it and mark it complete. */
-static void event_mark(struct CUevent_st *e, uint64_t gen)
+static void event_mark(struct CUevent_st *e, uint64_t gen, uint64_t ts)
 {
-    uint64_t now = fc_now_ns();
     pthread_mutex_lock(&e->mu);
     if (gen > atomic_load(&e->done)) {
-        e->ts = now;
+        e->ts = ts;
         atomic_store(&e->done, gen);
     }
     pthread_mutex_unlock(&e->mu);
@@ -1629,7 +1656,7 @@ static CUresult event_record(CUevent e, CUstream h, int ptds)
     GET_STREAM(s, h, ptds);
     if (s->capturing)
         return CUDA_SUCCESS; /* a capture records no event node here */
-    struct fc_op op = {OP_EVENT, 0, e};
+    struct fc_op op = {OP_EVENT, 0, e, 0};
     atomic_fetch_add(&e->refs, 1);
     pthread_mutex_lock(&s->pmu);
     op.arg = atomic_fetch_add(&e->rec, 1) + 1;

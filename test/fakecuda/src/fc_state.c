@@ -513,6 +513,7 @@ static void grant_next_locked(struct fc_dev *d)
             d->owner_ticket = 0;
             d->owner_proc = -1;
             d->hold_ns = 0;
+            d->free_ns = now;
             break;
         }
         struct fc_waiter wt = d->wq[best];
@@ -551,12 +552,20 @@ static void grant_next_locked(struct fc_dev *d)
     futex(&d->seq, FUTEX_WAKE, INT_MAX, NULL);
 }
 
-uint64_t fc_exec_acquire(struct fc_dev *d, int proc, uint64_t *since)
+/* Takes the device for a kernel queued at `at`.  *since is when it was
+ * held from on the device's own timeline (fc_cuda.c): an idle device
+ * started the kernel when it was queued, or when the device was last left
+ * idle if that is later; a device handed on started it at the hand-off;
+ * not when this thread happened to wake. */
+uint64_t fc_exec_acquire(struct fc_dev *d, int proc, uint64_t at, uint64_t *since)
 {
     fc_dev_lock(d);
     uint64_t t = ++d->next_ticket;
     *since = fc_now_ns(); /* the immediate path below; the waiting path sets it again */
     if (d->owner_ticket == 0 && d->nwait == 0) {
+        uint64_t from = at > d->free_ns ? at : d->free_ns;
+        if (from < *since)
+            *since = from;
         d->owner_ticket = t;
         d->owner_proc = proc;
         d->turn_end_ns = *since + d->slice_ns;
@@ -604,9 +613,11 @@ uint64_t fc_exec_acquire(struct fc_dev *d, int proc, uint64_t *since)
         else if (d->owner_ticket == 0 && d->nwait > 0)
             grant_next_locked(d);
     }
+    /* Held from the hand-off, not from when this thread woke, whether
+     * another stream of this process or another process handed it on. */
     *since = fc_now_ns();
-    if (d->handed_from == proc && d->handed_ns < *since)
-        *since = d->handed_ns; /* handed on by another stream of this process */
+    if (d->handed_ns < *since)
+        *since = d->handed_ns;
     d->hold_ns = *since;
     fc_dev_unlock(d);
     return t;
@@ -644,10 +655,11 @@ void fc_exec_release(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_
         if (d->nwait > 0) {
             grant_next_locked(d);
         } else {
+            d->free_ns = fc_now_ns();
             d->owner_ticket = 0;
             d->owner_proc = -1;
             d->hold_ns = 0;
-            trace_locked(d, -1, fc_now_ns());
+            trace_locked(d, -1, d->free_ns);
         }
     }
     fc_dev_unlock(d);

@@ -105,6 +105,7 @@ struct fc_dev {
     uint64_t handed_ns;    /* when grant_next_locked last handed the device on */
     int32_t handed_from;   /* the process that held it then; -1: none */
     int32_t pad;
+    uint64_t free_ns;      /* when the device was last left with no owner */
     /* CLOCK_MONOTONIC since when the owner's held time is not yet in its
      * busy_ns (the stream worker's mark); 0: none (idle, or granted and the
      * worker not awake yet).  A reader adds now - hold_ns to the owner's
@@ -166,12 +167,12 @@ uint64_t fc_self_pidns(void);
 int fc_proc_register(struct fc_dev *d, int pid, uint64_t pidns);
 
 /* Exclusive kernel execution; who gets the device next is the device
- * model's choice (grant_next_locked in fc_state.c).  *since: when the caller's
- * hold began for accounting: now, or when the device was handed to it by
- * another stream of its own process (the hand-over is that process's time:
- * its context never left the device, as its streams run concurrently on a
- * real GPU). */
-uint64_t fc_exec_acquire(struct fc_dev *d, int proc, uint64_t *since);
+ * model's choice (grant_next_locked in fc_state.c).  at: when the kernel was
+ * queued.  *since: when the caller's hold began on the device's timeline
+ * (fc_cuda.c): when the device was handed to it, or, if it was idle, when
+ * the kernel was queued or the device went idle, whichever is later; not
+ * when the calling thread happened to wake. */
+uint64_t fc_exec_acquire(struct fc_dev *d, int proc, uint64_t at, uint64_t *since);
 /* Records a kernel that just ended on the device the caller holds: busy_ns
  * is the time held since the last record (what the worker did before the
  * kernel while holding, and the kernel), kernel_ns the kernel's own time. */
