@@ -877,8 +877,11 @@ struct held {
  * event completes when the work before it did (or when it was recorded, if
  * later).  Otherwise a loaded host would show up as GPU time of whoever
  * holds the device, which no real GPU does and nothing in mgpu can see.
- * Hand-offs between processes (time slices, a stream running dry) stay in
- * host time: the device is held until the worker gives it back. */
+ * A hand-off at a kernel boundary (the model gives the device to another
+ * stream or process) happens where the kernel ended.  What stays in host
+ * time is what a worker must wake to notice: a slice that ends inside a
+ * kernel (timer) and a queue that ran dry; the device is held until the
+ * worker gives it back. */
 static uint64_t later(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
 /* Gives the device back, recording the held time since the last kernel

@@ -190,7 +190,6 @@ static int create_file(const char *dir, const char *path, int index)
         goto out;
     d->layout = FC_LAYOUT;
     d->slice_proc = -1;
-    d->handed_from = -1;
     d->model = (uint32_t)model;
     /* The timer model preempts at every slice end: a slice shorter than
      * 100 us would be mostly hand-overs. */
@@ -488,6 +487,13 @@ static void timer_renew_locked(struct fc_dev *d, uint64_t now)
 static void grant_next_locked(struct fc_dev *d)
 {
     uint64_t now = fc_now_ns();
+    /* where the previous holder's worker has recorded up to: its last
+     * kernel's end on the device's timeline (fc_cuda.c); none when it died
+     * holding the device (handed on now, when that is noticed) */
+    int prev = d->owner_proc;
+    uint64_t prev_mark = d->owner_ticket && prev >= 0 && prev < FC_MAX_PROCS && d->procs[prev].state == FC_PROC_ALIVE
+                             ? d->hold_ns
+                             : 0;
     int in_slice = 0;
     if (d->model == FC_MODEL_SLICE) {
         /* A process's own streams are one context: while no other process
@@ -535,8 +541,11 @@ static void grant_next_locked(struct fc_dev *d)
             p->state = FC_PROC_DEAD;
             continue;
         }
-        d->handed_from = d->owner_proc;
-        d->handed_ns = now;
+        /* The next holder takes over where the previous one's worker has
+         * recorded up to: at a kernel boundary, where its last kernel ended
+         * (the worker's late wake-up is nobody's time); after a preemption
+         * or a queue that ran dry, when the worker gave the device back. */
+        d->handed_ns = prev_mark && prev_mark < now ? prev_mark : now;
         d->hold_ns = 0; /* set by the new holder's worker when it wakes (fc_exec_acquire) */
         d->owner_ticket = wt.ticket;
         d->owner_proc = wt.proc;

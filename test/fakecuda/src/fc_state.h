@@ -102,9 +102,7 @@ struct fc_dev {
     uint64_t slice_end_ns; /* when that slice ends (CLOCK_MONOTONIC) */
     uint64_t slice_ns;     /* FAKECUDA_TIMESLICE_US, in ns (fixed by the creator) */
     uint64_t turn_end_ns;  /* when the holding stream's turn among its process's streams ends */
-    uint64_t handed_ns;    /* when grant_next_locked last handed the device on */
-    int32_t handed_from;   /* the process that held it then; -1: none */
-    int32_t pad;
+    uint64_t handed_ns;    /* where grant_next_locked last handed the device on (device time) */
     uint64_t free_ns;      /* when the device was last left with no owner */
     /* CLOCK_MONOTONIC since when the owner's held time is not yet in its
      * busy_ns (the stream worker's mark); 0: none (idle, or granted and the
