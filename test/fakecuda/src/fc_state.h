@@ -24,7 +24,7 @@
 #define FC_MAX_PROCS 1024
 #define FC_MAX_WAITERS 256
 #define FC_MAGIC 0x41445543454b4146ULL /* "FAKECUDA" */
-#define FC_LAYOUT 7
+#define FC_LAYOUT 8
 #define FC_TRACE 4096 /* ownership changes kept in fc_dev.trace */
 #define FC_SAMPLES 16 /* utilisation samples kept in fc_dev.samp (NVML) */
 #define FC_SAMPLE_MIN_NS 20000000ULL /* NVML takes a new sample at most every 20 ms */
