@@ -425,20 +425,36 @@ func StampAt(output, key string) (time.Time, bool) {
 	return time.Now().Add(time.Duration(int64(ns) - ts.Nano())), true
 }
 
-// Busy returns the GPU time the processes pids used on device dev between
-// samples a and b.
-func Busy(a, b Sample, dev int, pids map[int]bool) time.Duration {
+// grown returns how much field, summed over the processes pids (nil: all)
+// of device dev, grew between samples a and b.
+func grown(a, b Sample, dev int, pids map[int]bool, field func(fakecuda.Proc) uint64) uint64 {
 	sum := func(s Sample) uint64 {
 		d, _ := s.State.Device(dev)
 		var t uint64
 		for _, p := range d.Procs {
 			if pids == nil || pids[p.PID] {
-				t += p.BusyNs
+				t += field(p)
 			}
 		}
 		return t
 	}
-	return time.Duration(sum(b) - sum(a)) //nolint:gosec // busy time only grows between samples
+	return sum(b) - sum(a)
+}
+
+// percentOfWall is ns as a percentage of the wall time between a and b.
+func percentOfWall(a, b Sample, ns uint64) float64 {
+	wall := b.At.Sub(a.At)
+	if wall <= 0 {
+		return 0
+	}
+	return 100 * float64(ns) / float64(wall)
+}
+
+// Busy returns the GPU time the processes pids used on device dev between
+// samples a and b.
+func Busy(a, b Sample, dev int, pids map[int]bool) time.Duration {
+	//nolint:gosec // busy time only grows between samples
+	return time.Duration(grown(a, b, dev, pids, func(p fakecuda.Proc) uint64 { return p.BusyNs }))
 }
 
 // KernelShare returns the time the kernels of the processes pids ran on
@@ -446,30 +462,12 @@ func Busy(a, b Sample, dev int, pids map[int]bool) time.Duration {
 // gaps between kernels, FAKECUDA_KERNEL_GAP_US), as a percentage of the wall
 // time: their throughput.
 func KernelShare(a, b Sample, dev int, pids map[int]bool) float64 {
-	sum := func(s Sample) uint64 {
-		d, _ := s.State.Device(dev)
-		var t uint64
-		for _, p := range d.Procs {
-			if pids == nil || pids[p.PID] {
-				t += p.KernelNs
-			}
-		}
-		return t
-	}
-	wall := b.At.Sub(a.At)
-	if wall <= 0 {
-		return 0
-	}
-	return 100 * float64(sum(b)-sum(a)) / float64(wall)
+	return percentOfWall(a, b, grown(a, b, dev, pids, func(p fakecuda.Proc) uint64 { return p.KernelNs }))
 }
 
 // Share returns Busy as a percentage of the wall time between a and b.
 func Share(a, b Sample, dev int, pids map[int]bool) float64 {
-	wall := b.At.Sub(a.At)
-	if wall <= 0 {
-		return 0
-	}
-	return 100 * float64(Busy(a, b, dev, pids)) / float64(wall)
+	return percentOfWall(a, b, grown(a, b, dev, pids, func(p fakecuda.Proc) uint64 { return p.BusyNs }))
 }
 
 // Descendants lists pid and all its descendant processes now alive.
