@@ -118,7 +118,15 @@ func (e *Enforcer) identifyConn(conn *net.UnixConn, keys *keyCache) (*attachConn
 	in := e.matchLocked(info)
 	e.mu.Unlock()
 	c.key = keyOf(in, info)
-	if fd, err := e.pidfd(c.pid, info.startTime); err == nil {
+	// The cache keeps a pidfd of the process the key was read for: the
+	// kernel's own of the caller (its /proc was read after it connected, so
+	// while it lives the pid names it), else one opened now and checked
+	// against the start time read.
+	fd, err := peerPidfd(conn)
+	if err != nil {
+		fd, err = e.pidfd(c.pid, info.startTime)
+	}
+	if err == nil {
 		keys.put(c.pid, c.key, fd)
 	}
 	return c, nil
@@ -416,15 +424,20 @@ type peerInfo struct {
 type ancestor struct {
 	pid       int
 	startTime uint64
+	// pinned: the root of a process-tree instance that holds a pidfd of
+	// it, met in the walk; its start time was not read (matchLocked asks
+	// the pidfd instead whether pid still names that root).
+	pinned bool
 }
 
-// inspect reads what /proc says of pid: its start time, pid namespace,
-// cgroups, and its ancestors up to the nearest root of a process-tree
-// instance (matchLocked looks no further: the nearest root it finds wins),
-// or none when the device has no process-tree instance (containers are
-// matched by namespace and cgroup). A root released between the walk and
-// the match leaves the process in no instance, as if it had attached just
-// after the release.
+// inspect reads what /proc says of pid that matching it against the
+// instances of the moment needs (matchNeeds): its start time and pid
+// namespace; its cgroups where a container instance is matched by cgroup
+// and none by that namespace; its ancestors up to the nearest root of a
+// process-tree instance (matchLocked looks no further: the nearest root it
+// finds wins) where the device has such instances. An instance created or
+// released between the read and the match is missed or not found, as if
+// the process had attached just before or after it.
 func (e *Enforcer) inspect(pid int) (peerInfo, error) {
 	p := peerInfo{pid: pid}
 	st, err := e.o.proc.Stat(pid)
@@ -435,22 +448,34 @@ func (e *Enforcer) inspect(pid int) (peerInfo, error) {
 	if p.pidNS, err = e.o.proc.PidNS(pid); err != nil {
 		return p, err
 	}
-	if p.cgroups, err = e.o.proc.Cgroups(pid); err != nil {
-		return p, err
+	p.ancestors = append(p.ancestors, ancestor{pid: pid, startTime: st.StartTime})
+	need := e.matchNeeds(p.pidNS)
+	if need.byNS {
+		return p, nil
 	}
-	p.ancestors = append(p.ancestors, ancestor{pid, st.StartTime})
-	roots := e.treeRoots()
-	if len(roots) == 0 || roots[p.ancestors[0]] {
+	if need.cgroups {
+		if p.cgroups, err = e.o.proc.Cgroups(pid); err != nil {
+			return p, err
+		}
+	}
+	if len(need.roots) == 0 || need.roots[p.ancestors[0]] {
 		return p, nil
 	}
 	for next := st.PPID; next > 0 && len(p.ancestors) < maxAncestors; {
+		if need.pinned[next] {
+			// Should that root have died and its pid now name another
+			// ancestor, the walk ends here and the process is in no
+			// instance (refused), never in a wrong one.
+			p.ancestors = append(p.ancestors, ancestor{pid: next, pinned: true})
+			break
+		}
 		ast, err := e.o.proc.Stat(next)
 		if err != nil {
 			break
 		}
-		a := ancestor{next, ast.StartTime}
+		a := ancestor{pid: next, startTime: ast.StartTime}
 		p.ancestors = append(p.ancestors, a)
-		if roots[a] {
+		if need.roots[a] {
 			break
 		}
 		next = ast.PPID
@@ -458,21 +483,39 @@ func (e *Enforcer) inspect(pid int) (peerInfo, error) {
 	return p, nil
 }
 
-// treeRoots returns the roots (pid, start time) of the process-tree
-// instances.
-func (e *Enforcer) treeRoots() map[ancestor]bool {
+// matchNeeds is what matchLocked needs to know of a process, given the
+// instances of the moment.
+type matchNeeds struct {
+	byNS    bool              // a container instance holds its pid namespace: nothing more
+	cgroups bool              // a container instance is matched by cgroup
+	roots   map[ancestor]bool // the roots (pid, start time) of the process-tree instances
+	pinned  map[int]bool      // the pids of those roots the enforcer holds a pidfd of
+}
+
+func (e *Enforcer) matchNeeds(pidNS uint64) matchNeeds {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	var roots map[ancestor]bool
+	var n matchNeeds
 	for _, in := range e.list {
-		if in.kind == api.KindProcessTree {
-			if roots == nil {
-				roots = map[ancestor]bool{}
+		switch {
+		case in.kind == api.KindContainer && pidNS != 0 && pidNS != e.selfNS && in.pidNS == pidNS:
+			return matchNeeds{byNS: true}
+		case in.kind == api.KindContainer && in.cgroup != "":
+			n.cgroups = true
+		case in.kind == api.KindProcessTree:
+			if n.roots == nil {
+				n.roots = map[ancestor]bool{}
 			}
-			roots[ancestor{in.pid, in.startTime}] = true
+			n.roots[ancestor{pid: in.pid, startTime: in.startTime}] = true
+			if in.rootFD >= 0 {
+				if n.pinned == nil {
+					n.pinned = map[int]bool{}
+				}
+				n.pinned[in.pid] = true
+			}
 		}
 	}
-	return roots
+	return n
 }
 
 // matchLocked finds the instance a process belongs to: a container by its
@@ -504,12 +547,22 @@ func (e *Enforcer) matchLocked(p peerInfo) *instance {
 	}
 	for _, a := range p.ancestors {
 		for _, in := range e.list {
-			if in.kind == api.KindProcessTree && in.pid == a.pid && in.startTime == a.startTime {
+			if in.kind == api.KindProcessTree && in.pid == a.pid && in.rootMatches(a) {
 				return in
 			}
 		}
 	}
 	return nil
+}
+
+// rootMatches reports whether ancestor a, of in's root pid, is that root:
+// by start time, or for a pinned one by in's pidfd of it, which shows
+// whether the root still lives (and so still owns its pid).
+func (in *instance) rootMatches(a ancestor) bool {
+	if a.pinned {
+		return in.rootFD >= 0 && !exited(in.rootFD)
+	}
+	return in.startTime == a.startTime
 }
 
 func under(p, base string) bool {
