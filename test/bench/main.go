@@ -42,9 +42,10 @@ type bench struct {
 	out    io.Writer
 	rows   []row
 	rounds int
-	// launchRounds and allocRounds are the interleaved rounds of the
-	// launch and allocation figures (medians of paired differences).
-	launchRounds, allocRounds int
+	// launchRounds, allocRounds and startRounds are the interleaved rounds
+	// of the launch, allocation and process start (attach) figures
+	// (medians of paired differences).
+	launchRounds, allocRounds, startRounds int
 	window                    time.Duration
 	hookN                     int
 	models                    []string // device models of the share section
@@ -68,20 +69,21 @@ func main() {
 	rounds := flag.Int("rounds", 5, "interleaved rounds per side-by-side measurement")
 	launchRounds := flag.Int("launch-rounds", 21, "interleaved rounds of the launch overhead")
 	allocRounds := flag.Int("alloc-rounds", 9, "interleaved rounds of each allocation overhead")
+	startRounds := flag.Int("start-rounds", 15, "interleaved rounds of each process start (attach) overhead")
 	win := flag.Duration("window", 4*time.Second, "measurement window of each share case")
 	serve := flag.Duration("serve", 20*time.Second, "time the priority section serves requests on each side (alone, beside the offline instance), in turns of 1s")
 	models := flag.String("models", strings.Join(benchModels, ","), "comma-separated simulated device models of the share and priority sections (slice, timer:1ms, timer:2ms, kernel)")
 	reportOnly := flag.Bool("report-only", false, "report every figure and the verdict, but exit 0 when figures are over their budget")
 	flag.Parse()
-	if *rounds < 1 || *launchRounds < 1 || *allocRounds < 1 {
-		fmt.Fprintln(os.Stderr, "mgpu-bench: -rounds, -launch-rounds and -alloc-rounds must be at least 1")
+	if *rounds < 1 || *launchRounds < 1 || *allocRounds < 1 || *startRounds < 1 {
+		fmt.Fprintln(os.Stderr, "mgpu-bench: -rounds, -launch-rounds, -alloc-rounds and -start-rounds must be at least 1")
 		os.Exit(2)
 	}
 	if *serve < time.Second {
 		fmt.Fprintf(os.Stderr, "mgpu-bench: -serve %v: want at least 1s\n", *serve)
 		os.Exit(2)
 	}
-	b := &bench{out: os.Stdout, rounds: *rounds, launchRounds: *launchRounds, allocRounds: *allocRounds, window: *win, hookN: *hookN, serveSecs: serve.Seconds()}
+	b := &bench{out: os.Stdout, rounds: *rounds, launchRounds: *launchRounds, allocRounds: *allocRounds, startRounds: *startRounds, window: *win, hookN: *hookN, serveSecs: serve.Seconds()}
 	for _, m := range strings.Split(*models, ",") {
 		if m = strings.TrimSpace(m); m != "" {
 			if _, _, err := fakecuda.ParseModel(m); err != nil {
@@ -390,14 +392,14 @@ func (b *bench) processStart() error {
 		return median(v), nil
 	}
 	// /bin/true: preloading the shim must cost nothing measurable.
-	p, err := interleaved(b.rounds, func(shim bool) (float64, error) { return medianOf(20, shim, "/bin/true") })
+	p, err := interleaved(b.startRounds, func(shim bool) (float64, error) { return medianOf(20, shim, "/bin/true") })
 	if err != nil {
 		return err
 	}
 	b.report("start_true_no_shim", p.off/1e6, "ms/process", info(""))
 	b.report("start_true_shim", p.on/1e6, "ms/process", info(""))
 	b.report("start_true_overhead", p.diff/1e3, "us/process", info("~0 (no work at load)"))
-	p, err = interleaved(b.rounds, func(shim bool) (float64, error) {
+	p, err = interleaved(b.startRounds, func(shim bool) (float64, error) {
 		return medianOf(10, shim, n.Paths.Workload, "info")
 	})
 	if err != nil {
@@ -405,9 +407,10 @@ func (b *bench) processStart() error {
 	}
 	b.report("start_cuda_no_shim_1proc", p.off/1e6, "ms/process", info(""))
 	b.report("start_cuda_shim_1proc", p.on/1e6, "ms/process", info(""))
-	b.report("attach_1proc", p.diff/1e6, "ms/process", atMost(0.5, ""))
+	b.report("attach_1proc", p.diff/1e6, "ms/process", atMost(0.5, fmt.Sprintf("(median of %d paired rounds)", b.startRounds)))
+	b.report("attach_1proc_spread", p.spread/1e6, "ms/process", info("(interquartile range)"))
 	const procs = 64
-	p, err = interleaved(b.rounds, func(shim bool) (float64, error) {
+	p, err = interleaved(b.startRounds, func(shim bool) (float64, error) {
 		t0 := time.Now()
 		if _, err := medianOfParallel(procs, func() (float64, error) {
 			return timeOne(envOf(shim), n.Paths.Workload, "info")
@@ -421,7 +424,8 @@ func (b *bench) processStart() error {
 	}
 	b.report(fmt.Sprintf("start_cuda_no_shim_%dproc_total", procs), p.off/1e6, "ms total", info(""))
 	b.report(fmt.Sprintf("start_cuda_shim_%dproc_total", procs), p.on/1e6, "ms total", info(""))
-	b.report(fmt.Sprintf("attach_%dproc_total_extra", procs), p.diff/1e6, "ms total", atMost(50, fmt.Sprintf("(%d processes at once)", procs)))
+	b.report(fmt.Sprintf("attach_%dproc_total_extra", procs), p.diff/1e6, "ms total", atMost(50, fmt.Sprintf("(%d processes at once; median of %d paired rounds)", procs, b.startRounds)))
+	b.report(fmt.Sprintf("attach_%dproc_total_extra_spread", procs), p.spread/1e6, "ms total", info("(interquartile range)"))
 	return nil
 }
 
