@@ -86,7 +86,10 @@ func (s *sane) read(p region.Proc, now time.Duration, maxQueued uint64) (counts,
 	if c.queued > maxQueued {
 		c.queued, why = maxQueued, why|queuedRange
 	}
+	// What the process's allocations hold: what it reserved, less what
+	// it reserved ahead of them.
 	c.mem = p.MemReserved.Load()
+	c.mem -= min(c.mem, p.MemAhead.Load())
 	if c.mem > satCap {
 		c.mem, why = satCap, why|memRange
 	}

@@ -69,7 +69,7 @@ type Counters struct {
 	Launches    atomic.Uint64 // cumulative gated launches
 	ThrottledNs atomic.Uint64 // cumulative time threads waited for a grant
 	IdleNs      atomic.Uint64 // CLOCK_MONOTONIC when QueuedNs last fell to 0 (0: never)
-	Reserved    [1]uint64
+	MemAhead    atomic.Uint64 // of MemReserved, reserved ahead of the process's allocations
 }
 
 // Layout mirrors mgpu_control_t, the control file.

@@ -34,7 +34,7 @@ func TestLayoutMatchesHeader(t *testing.T) {
 		"mgpu_proc_t.launches":          uint64(unsafe.Offsetof(c.Launches)),
 		"mgpu_proc_t.throttled_ns":      uint64(unsafe.Offsetof(c.ThrottledNs)),
 		"mgpu_proc_t.idle_ns":           uint64(unsafe.Offsetof(c.IdleNs)),
-		"mgpu_proc_t.reserved":          uint64(unsafe.Offsetof(c.Reserved)),
+		"mgpu_proc_t.mem_ahead":         uint64(unsafe.Offsetof(c.MemAhead)),
 		"mgpu_control_t.magic":          uint64(unsafe.Offsetof(l.Magic)),
 		"mgpu_control_t.version":        uint64(unsafe.Offsetof(l.Version)),
 		"mgpu_control_t.size":           uint64(unsafe.Offsetof(l.Size)),

@@ -419,6 +419,7 @@ func (p Proc) Clear() {
 	if c := p.Counters; c != nil {
 		c.Waiting.Store(0)
 		c.MemReserved.Store(0)
+		c.MemAhead.Store(0)
 		c.GPUNs.Store(0)
 		c.QueuedNs.Store(0)
 		c.Launches.Store(0)

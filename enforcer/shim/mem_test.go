@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -266,6 +267,50 @@ func TestFailClosed(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Small allocations reserve ahead (mgpu_region.h): a lone process still
+// gets its whole quota, the instance reports what its allocations hold
+// (not what was reserved ahead), and another process is refused no
+// earlier than two chunks (min(4 MiB, quota / 256)) per other process
+// before the quota, and never past it.
+func TestReserveAhead(t *testing.T) {
+	t.Parallel()
+	const chunk = 64 * mib / 256 // 256 KiB for a 64 MiB quota
+	e := newEnv(t)
+	s := newServer(t, e.run, 0, withQuota(64))
+	alloc := func(count int, extra ...string) []string {
+		return append([]string{"alloc", "--api", "cuMemAlloc_v2", "--mib", "0.125", "--count", strconv.Itoa(count)}, extra...)
+	}
+	// Alone: 128 KiB at a time, exactly 512 of them fit.
+	r := e.wl(alloc(600)...)
+	if got := u64(t, kv(r.out), "allocated"); r.code != 2 || got != 512 {
+		t.Fatalf("alone: exit %d, %d allocations of 128 KiB fit in 64 MiB, want 512\n%s", r.code, got, r.err)
+	}
+	if m := kv(r.out[strings.LastIndex(r.out, "mem_free="):]); u64(t, m, "mem_free") != 0 {
+		t.Fatalf("alone, the quota allocated: meminfo %v, want mem_free 0", m)
+	}
+	// A holder of 1 MiB in 128 KiB allocations: 1 MiB is reported, what it
+	// holds ahead is at most two chunks, and another process is told
+	// 63 MiB are free.
+	holder, lines, _ := e.bg(workload, alloc(8, "--hold-ms", "-1")...)
+	defer func() { _ = holder.Process.Kill() }()
+	waitLine(t, lines, "holding")
+	held, reserved := s.reservedSum()
+	if held != mib || reserved-held > 2*chunk {
+		t.Fatalf("holder: holds %d and reserved %d, want 1 MiB and at most %d ahead", held, reserved, 2*chunk)
+	}
+	r = e.wl("info")
+	if m := kv(r.out); u64(t, m, "device.0.mem_free") != 63*mib || u64(t, m, "nvml.0.used") != mib {
+		t.Fatalf("beside the holder: %v, want mem_free 63 MiB and nvml used 1 MiB", m)
+	}
+	// Beside it: refused at most two chunks early, never over the quota.
+	r = e.wl(alloc(600)...)
+	got := u64(t, kv(r.out), "allocated")
+	if lo, hi := uint64((63*mib-2*chunk)/(mib/8)), uint64(63*mib/(mib/8)); r.code != 2 || got < lo || got > hi {
+		t.Fatalf("beside the holder: exit %d, %d allocations of 128 KiB, want %d to %d\n%s", r.code, got, lo, hi, r.err)
+	}
+	t.Logf("beside a holder of 1 MiB (%d bytes ahead): %d of 128 KiB allocated, %d fit in what is free", reserved-held, got, 63*mib/(mib/8))
 }
 
 // A forked child that uses CUDA attaches with its own slot.

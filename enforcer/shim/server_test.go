@@ -303,18 +303,29 @@ func (s *testServer) slotOf(pid int) *region.Proc {
 	return nil
 }
 
-// used is the instance's reserved memory: the sum over all slots that
-// have memory (a slot gets its memfd when a process first attaches to it).
+// used is what the instance's allocations hold: the sum over all slots
+// that have memory (a slot gets its memfd when a process first attaches to
+// it) of what they reserved less what they reserved ahead, as the enforcer
+// reports it.
 func (s *testServer) used() uint64 {
+	held, _ := s.reservedSum()
+	return held
+}
+
+// reservedSum returns what the instance's allocations hold and what its
+// processes reserved (with what they reserved ahead), summed over the
+// slots.
+func (s *testServer) reservedSum() (held, reserved uint64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	var sum uint64
 	for i := 0; i < region.MaxProcs; i++ {
 		if c := s.reg.Proc(i).Counters; c != nil {
-			sum += c.MemReserved.Load()
+			r := c.MemReserved.Load()
+			held += r - min(r, c.MemAhead.Load())
+			reserved += r
 		}
 	}
-	return sum
+	return held, reserved
 }
 
 func (s *testServer) setGrant(v uint32) { s.reg.SetGrant(v) }

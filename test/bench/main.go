@@ -46,9 +46,9 @@ type bench struct {
 	// of the launch, allocation and process start (attach) figures
 	// (medians of paired differences).
 	launchRounds, allocRounds, startRounds int
-	window                    time.Duration
-	hookN                     int
-	models                    []string // device models of the share section
+	window                                 time.Duration
+	hookN                                  int
+	models                                 []string // device models of the share section
 	// serveSecs is how long the priority section serves requests on each
 	// side (alone, beside the offline instance), in turns of priorityTurn.
 	serveSecs float64

@@ -34,7 +34,7 @@ static const mgpu_entry mgpu_entries[] = {
 	OFF(mgpu_proc_t, launches),
 	OFF(mgpu_proc_t, throttled_ns),
 	OFF(mgpu_proc_t, idle_ns),
-	OFF(mgpu_proc_t, reserved),
+	OFF(mgpu_proc_t, mem_ahead),
 
 	SIZE(mgpu_control_t),
 	OFF(mgpu_control_t, magic),

@@ -52,6 +52,15 @@
  *    atomics the instance total can never exceed the limit (two racing
  *    reservations may both fail, never both pass over the limit): a process
  *    reserves only after its attach was answered, so after its bit was set.
+ *    An allocation smaller than the chunk (min(4 MiB, memory_limit / 256))
+ *    reserves one chunk more this way, kept in mem_ahead; allocations take
+ *    from mem_ahead first, frees give back to it, and what exceeds two
+ *    chunks is given back to the instance.  An allocation that fits in
+ *    mem_ahead reads no other slot; one that needs more uses the process's
+ *    own mem_ahead and reserves the rest (the chunk only if the instance
+ *    has room for it).  So an allocation may be refused while other
+ *    processes of the instance hold up to two chunks each ahead; the
+ *    instance total still never exceeds the limit.
  *  - grant is a futex word (shared, not private futex ops).  0 means "do not
  *    submit GPU work now"; any other value means "granted" (MGPU_GRANT_ONE
  *    with one launch outstanding per stream at most).  The enforcer wakes
@@ -116,7 +125,10 @@ typedef struct mgpu_proc {
      * enforcer only while queued_ns is 0 (the fill grace of offline
      * instances, see wake below) */
     MGPU_ATOMIC(uint64_t) idle_ns;
-    uint64_t reserved[1];
+    /* Of mem_reserved, the bytes reserved ahead of the process's
+     * allocations (the reservation protocol below): its allocations hold
+     * mem_reserved - mem_ahead.  0 from shims before it. */
+    MGPU_ATOMIC(uint64_t) mem_ahead;
 } mgpu_proc_t;
 
 /* The control file.  Header 256 bytes, then the slot owners. */

@@ -907,7 +907,18 @@ static int map_peer(struct mgpu_dev *d, unsigned i)
     return 0;
 }
 
-uint64_t mgpu_instance_used(struct mgpu_dev *d)
+/* A slot's mem_reserved; with held, less its mem_ahead. */
+static uint64_t held_of(const mgpu_proc_t *p, int held)
+{
+    uint64_t v = atomic_load(&p->mem_reserved);
+    if (held) {
+        uint64_t a = atomic_load(&p->mem_ahead);
+        v = a < v ? v - a : 0;
+    }
+    return v;
+}
+
+uint64_t mgpu_instance_used(struct mgpu_dev *d, int held)
 {
     /* The own slot through its writable mapping; the other taken slots
      * (control->used) through read-only mappings, asked for from the
@@ -915,8 +926,10 @@ uint64_t mgpu_instance_used(struct mgpu_dev *d)
      * zero whenever its bit is clear (the enforcer clears them first), and
      * a mapping of a slot never goes stale (mgpu_region.h), so a slot freed
      * meanwhile adds 0.  A slot's value is what its process claims: a huge
-     * one makes this instance's allocations fail, never another's. */
-    uint64_t sum = atomic_load(&d->slot->mem_reserved);
+     * one makes this instance's allocations fail, never another's.  With
+     * held, what the slots' allocations hold (mem_reserved less mem_ahead):
+     * what the processes are told, never what reservations check. */
+    uint64_t sum = held_of(d->slot, held);
     for (unsigned w = 0; w < MGPU_REGION_MAX_PROCS / 64; w++) {
         uint64_t taken = atomic_load(&d->region->used[w]);
         if (w == d->own / 64)
@@ -931,7 +944,7 @@ uint64_t mgpu_instance_used(struct mgpu_dev *d)
                     continue; /* freed meanwhile */
             }
             const mgpu_proc_t *p = (const mgpu_proc_t *)(const void *)(d->procs + (size_t)i * MGPU_PROC_FILE_SIZE);
-            uint64_t v = atomic_load(&p->mem_reserved);
+            uint64_t v = held_of(p, held);
             sum = sum + v < sum ? UINT64_MAX : sum + v;
         }
     }

@@ -2,8 +2,9 @@
  * mem.c - device-memory quotas.
  *
  * Every allocation reserves its bytes in the process's own slot before the
- * real call (mgpu_region.h: add, sum the taken slots, undo if over the limit) and
- * gives them back if the driver fails.  A process-local table remembers the
+ * real call (mgpu_region.h: from what it reserved ahead, else add, sum the
+ * taken slots, undo if over the limit) and gives them back if the driver
+ * fails.  A process-local table remembers the
  * size of each live allocation so that the matching free gives back exactly
  * what was reserved.  The table's mutex is process-local: nothing in the
  * region is ever locked.
@@ -16,24 +17,73 @@
 
 /* ---- reservation ---- */
 
-static int reserve(struct mgpu_dev *d, uint64_t n)
+/* The chunk a small allocation reserves ahead (mgpu_region.h): at most
+ * 4 MiB and 1/256 of the quota, so that what other processes hold ahead
+ * stays a small part of it. */
+#define MGPU_AHEAD_MAX (4ull << 20)
+
+static uint64_t ahead_chunk(const struct mgpu_dev *d)
 {
-    if (n == 0)
-        return 1;
-    if (n > d->limit)
-        return 0;
+    uint64_t c = d->limit / 256;
+    return c < MGPU_AHEAD_MAX ? c : MGPU_AHEAD_MAX;
+}
+
+/* Adds n to the own slot, sums the taken slots and undoes it if the
+ * instance is over its limit. */
+static int reserve_checked(struct mgpu_dev *d, uint64_t n)
+{
     atomic_fetch_add(&d->slot->mem_reserved, n);
-    if (mgpu_instance_used(d) > d->limit) {
+    if (mgpu_instance_used(d, 0) > d->limit) {
         atomic_fetch_sub(&d->slot->mem_reserved, n);
         return 0;
     }
     return 1;
 }
 
+static int reserve(struct mgpu_dev *d, uint64_t n)
+{
+    if (n == 0)
+        return 1;
+    if (n > d->limit)
+        return 0;
+    /* From what is reserved ahead: no other process's slot is read. */
+    _Atomic uint64_t *ahead = &d->slot->mem_ahead;
+    uint64_t a = atomic_load(ahead);
+    while (a >= n)
+        if (atomic_compare_exchange_weak(ahead, &a, a - n))
+            return 1;
+    /* Take all that is ahead and reserve the rest, with a chunk ahead for a
+     * small allocation when the instance has room for it. */
+    a = atomic_exchange(ahead, 0);
+    if (a >= n) { /* a free gave some back meanwhile */
+        atomic_fetch_add(ahead, a - n);
+        return 1;
+    }
+    uint64_t need = n - a, chunk = ahead_chunk(d);
+    if (n < chunk && reserve_checked(d, need + chunk)) {
+        atomic_fetch_add(ahead, chunk);
+        return 1;
+    }
+    if (reserve_checked(d, need))
+        return 1;
+    atomic_fetch_add(ahead, a);
+    return 0;
+}
+
 static void unreserve(struct mgpu_dev *d, uint64_t n)
 {
-    if (n)
-        atomic_fetch_sub(&d->slot->mem_reserved, n);
+    if (!n)
+        return;
+    /* The bytes go ahead; more than two chunks ahead go back to the
+     * instance. */
+    _Atomic uint64_t *ahead = &d->slot->mem_ahead;
+    uint64_t chunk = ahead_chunk(d);
+    uint64_t a = atomic_fetch_add(ahead, n) + n;
+    while (a > 2 * chunk)
+        if (atomic_compare_exchange_weak(ahead, &a, chunk)) {
+            atomic_fetch_sub(&d->slot->mem_reserved, a - chunk);
+            return;
+        }
 }
 
 /* ---- live allocations: open addressing, linear probing ---- */
@@ -439,7 +489,7 @@ MGPU_EXPORT CUresult cuArrayDestroy(CUarray hArray)
 
 static uint64_t free_in_quota(struct mgpu_dev *d, uint64_t real_free)
 {
-    uint64_t used = mgpu_instance_used(d);
+    uint64_t used = mgpu_instance_used(d, 1);
     uint64_t f = used >= d->limit ? 0 : d->limit - used;
     return f < real_free ? f : real_free;
 }
@@ -506,7 +556,7 @@ MGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory
         return r;
     if ((r = nvml_begin(device, &d)) != NVML_SUCCESS || !d)
         return r;
-    uint64_t used = mgpu_instance_used(d);
+    uint64_t used = mgpu_instance_used(d, 1);
     memory->total = d->limit;
     memory->used = used < d->limit ? used : d->limit;
     memory->free = free_in_quota(d, memory->free);
@@ -523,7 +573,7 @@ MGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMem
         return r;
     if ((r = nvml_begin(device, &d)) != NVML_SUCCESS || !d)
         return r;
-    uint64_t used = mgpu_instance_used(d);
+    uint64_t used = mgpu_instance_used(d, 1);
     memory->total = d->limit;
     memory->reserved = 0;
     memory->used = used < d->limit ? used : d->limit;

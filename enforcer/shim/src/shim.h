@@ -72,7 +72,7 @@ struct mgpu_dev *mgpu_current_dev(CUresult *err); /* the current context's devic
  * accounts on (ordinal < 0: the current context's).  CUDA_SUCCESS with *pd
  * NULL: pass through unaccounted (fail-open). */
 CUresult mgpu_resolve_dev(int ordinal, struct mgpu_dev **pd);
-uint64_t mgpu_instance_used(struct mgpu_dev *d);
+uint64_t mgpu_instance_used(struct mgpu_dev *d, int held);
 /* Wakes the enforcer's loop (the region's wake word asked for it): one
  * datagram on the instance's wake socket, fetched on first use and again
  * after an enforcer restart.  Never blocks for long; safe under
