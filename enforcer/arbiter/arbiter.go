@@ -433,6 +433,7 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 	// pools: what an offline instance is charged is shared among the
 	// offline ones only, and the other way round.
 	var total, wd, offTotal, offWd float64
+	offDemand := false // an offline instance wants the device (else no fill)
 	nd := 0
 	for i := range a.inst {
 		in := &a.inst[i]
@@ -508,6 +509,7 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		// the grant, until it completes; it wants the device as much as
 		// one that waits for the grant.
 		in.earns = in.demand || in.queued > 0
+		offDemand = offDemand || in.offline && in.demand
 		if in.earns {
 			if in.offline {
 				offWd += in.weight
@@ -564,7 +566,7 @@ func (a *Arbiter) Tick(now time.Duration, usage map[int]Usage) []int {
 		}
 	}
 	a.holder = next
-	if f := a.chooseFill(now); f != a.fill {
+	if f := a.chooseFill(now, offDemand); f != a.fill {
 		if a.fill < 0 && f >= 0 && a.tailHolds(f, now) {
 			// A revoked online holder's tail still runs: the fill
 			// starts as a hand-off would, so that the two do not
@@ -641,8 +643,12 @@ func (a *Arbiter) fillAt() time.Duration {
 // Tick: none unless the online instances have been quiet for the fill
 // grace; else the filling one keeps it while it has demand, unless another
 // leads it by the hysteresis, or at all once it has filled for a Quantum;
-// the highest credit wins.
-func (a *Arbiter) chooseFill(now time.Duration) int {
+// the highest credit wins. With no fill and no offline demand it is none,
+// whatever the online instances do (fillAt is then not worked out).
+func (a *Arbiter) chooseFill(now time.Duration, offDemand bool) int {
+	if !offDemand && a.fill < 0 {
+		return -1
+	}
 	if at := a.fillAt(); at == Never || at > now {
 		return -1
 	}
