@@ -170,9 +170,6 @@ func (e *Enforcer) handleAttach(c *attachConn) {
 			return
 		}
 	}
-	if !c.read {
-		c.info, c.ierr = e.inspect(c.pid)
-	}
 	switch req.Flags {
 	case attach.FlagPeers, attach.FlagWake:
 		var (
@@ -187,6 +184,9 @@ func (e *Enforcer) handleAttach(c *attachConn) {
 		_ = e.reply(conn, resp, fds)
 		closeFDs(fds)
 		return
+	}
+	if !c.read {
+		c.info, c.ierr = e.inspect(c.pid)
 	}
 	resp, fds, in, slot := e.attach(c)
 	if fds == nil {
@@ -681,25 +681,18 @@ func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerI
 // and fills in what the request is for; a caller that is not attached is
 // refused.
 func (e *Enforcer) forAttached(c *attachConn, answer func(resp *attach.Response, in *instance, own int) []int) (attach.Response, []int) {
-	pid := c.pid
-	resp, info, ok := e.callerInfo(c)
-	if !ok {
+	resp := attach.Response{DeviceIndex: uint32(e.index)} //nolint:gosec // small
+	if exited(c.pidfd) {
+		resp.Status = attach.Internal
+		resp.Message = fmt.Sprintf("mgpu: cannot inspect pid %d: %v", c.pid, os.ErrProcessDone)
 		return resp, nil
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	in := e.matchLocked(info)
-	own := -1
-	if in != nil {
-		in.forSlots(func(i int) {
-			if p := in.reg.Proc(i); int(p.PID.Load()) == pid && p.StartTime.Load() == info.startTime {
-				own = i
-			}
-		})
-	}
+	in, own := e.slotOfLocked(c.pid)
 	if own < 0 {
 		resp.Status = attach.NoInstance
-		resp.Message = fmt.Sprintf("mgpu: pid %d is not attached to an instance of device %d", pid, e.index)
+		resp.Message = fmt.Sprintf("mgpu: pid %d is not attached to an instance of device %d", c.pid, e.index)
 		return resp, nil
 	}
 	resp.Slot = uint32(own)         //nolint:gosec // < MaxProcs
@@ -707,6 +700,24 @@ func (e *Enforcer) forAttached(c *attachConn, answer func(resp *attach.Response,
 	resp.ControlSize, resp.ProcSize = region.ControlFileSize, region.ProcFileSize
 	fds := answer(&resp, in, own)
 	return resp, fds
+}
+
+// slotOfLocked finds the slot that the live process pid holds, without
+// reading /proc: a slot claimed by pid whose owner (the slot's pidfd) still
+// lives is that process's, since no two live processes share a pid.
+func (e *Enforcer) slotOfLocked(pid int) (*instance, int) {
+	for _, in := range e.list {
+		own := -1
+		in.forSlots(func(i int) {
+			if own < 0 && int(in.reg.Proc(i).PID.Load()) == pid && in.slotFD[i] >= 0 && !exited(in.slotFD[i]) {
+				own = i
+			}
+		})
+		if own >= 0 {
+			return in, own
+		}
+	}
+	return nil, -1
 }
 
 // wakeSocket answers an attached process's request for its instance's wake

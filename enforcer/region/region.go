@@ -39,6 +39,9 @@ type Region struct {
 	// fds are the slots' memfds, kept to hand out (TenantFDs, PeerFDs);
 	// -1 for a slot that has none.
 	fds [MaxProcs]int
+	// ro are read-only descriptions of the slots' memfds, made the first
+	// time a peer asks (PeerFDs) and kept while the memfd is; -1 for none.
+	ro [MaxProcs]int
 }
 
 // Proc is slot i of a region: its owner (control file) and its counters
@@ -68,7 +71,7 @@ const sealed = unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
 func newRegion(dir string) *Region {
 	r := &Region{dir: dir}
 	for i := range r.fds {
-		r.fds[i] = -1
+		r.fds[i], r.ro[i] = -1, -1
 	}
 	return r
 }
@@ -258,7 +261,10 @@ func (r *Region) dropProc(i int) error {
 		return nil
 	}
 	err := errors.Join(unix.Munmap(r.procs[i]), unix.Close(r.fds[i]))
-	r.procs[i], r.c[i], r.fds[i] = nil, nil, -1
+	if r.ro[i] >= 0 {
+		err = errors.Join(err, unix.Close(r.ro[i]))
+	}
+	r.procs[i], r.c[i], r.fds[i], r.ro[i] = nil, nil, -1, -1
 	return err
 }
 

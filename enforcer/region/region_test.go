@@ -195,6 +195,60 @@ func TestOpenUpgrades(t *testing.T) {
 	}
 }
 
+// TestPeerFDsShared checks that peers of a slot get duplicates of one
+// read-only description of its memfd, made once (no path lookup per
+// request), never of the enforcer's, and that it goes with the memfd.
+func TestPeerFDsShared(t *testing.T) {
+	t.Parallel()
+	if os.Geteuid() != 0 {
+		t.Skip("the read-only view needs root (CAP_SYS_ADMIN)")
+	}
+	r, v := regionAndView(t, "mgpu0inst5")
+	if err := r.Prepare(2); err != nil {
+		t.Fatal(err)
+	}
+	a, err := r.PeerFDs(v, []int{2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := r.PeerFDs(v, []int{2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeAll(append(a, b...))
+	// File status flags belong to a description: set on one request's
+	// descriptor, the other's shows them, the enforcer's does not.
+	if _, err := unix.FcntlInt(uintptr(a[0]), unix.F_SETFL, unix.O_NONBLOCK); err != nil {
+		t.Fatal(err)
+	}
+	flags := func(fd int) int {
+		fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fl
+	}
+	if fl := flags(b[0]); fl&unix.O_NONBLOCK == 0 || fl&unix.O_ACCMODE != unix.O_RDONLY {
+		t.Fatalf("the second request's descriptor has flags %#x: not the first's read-only description", fl)
+	}
+	if fl := flags(r.fds[2]); fl&unix.O_NONBLOCK != 0 {
+		t.Fatalf("the enforcer's memfd has flags %#x after a peer set O_NONBLOCK on its own", fl)
+	}
+	ro := r.ro[2]
+	if err := r.dropProc(2); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := unix.FcntlInt(uintptr(ro), unix.F_GETFD, 0); !errors.Is(err, unix.EBADF) || r.ro[2] != -1 {
+		t.Fatalf("the read-only description outlived its slot's memfd (fcntl %v, ro %d)", err, r.ro[2])
+	}
+}
+
+func closeAll(fds []int) {
+	for _, fd := range fds {
+		_ = unix.Close(fd)
+	}
+}
+
 // TestTenantFDs checks what a process receives: its control file cannot
 // be made writable by any route a process has (mmap, mprotect, reopening
 // /proc/self/fd/N, ftruncate), even as root; the other slots' read-only

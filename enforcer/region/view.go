@@ -85,13 +85,22 @@ func (r *Region) TenantFDs(v *View, slot int) ([]int, error) {
 
 // PeerFDs returns read-only descriptors of the given slots' memfds, in that
 // order (slots in use: each has its memfd). The caller closes them.
+//
+// They are duplicates of one read-only description per slot, opened the
+// first time a peer asks and kept while the slot keeps its memfd: the
+// processes of an instance asking for their peers share it (a path lookup
+// through /proc per slot and request cost most of what 64 processes
+// starting at once cost the enforcer). What a process does to that
+// description (flags, locks) reaches only processes of its own instance,
+// never the enforcer's description, and no process can take a lease on it
+// while the enforcer holds its own open for writing (reopen).
 func (r *Region) PeerFDs(v *View, slots []int) ([]int, error) {
 	if _, err := r.nameIn(v); err != nil {
 		return nil, err
 	}
 	fds := make([]int, 0, len(slots))
 	for _, i := range slots {
-		fd, err := r.reopen(i, unix.O_RDONLY)
+		fd, err := r.peerFD(i)
 		if err != nil {
 			for _, fd := range fds {
 				_ = unix.Close(fd)
@@ -101,6 +110,22 @@ func (r *Region) PeerFDs(v *View, slots []int) ([]int, error) {
 		fds = append(fds, fd)
 	}
 	return fds, nil
+}
+
+// peerFD returns a duplicate of slot i's read-only description, opening it
+// if the slot has none yet.
+func (r *Region) peerFD(i int) (int, error) {
+	if i < 0 || i >= MaxProcs || r.fds[i] < 0 {
+		return -1, fmt.Errorf("slot %d has no memfd", i)
+	}
+	if r.ro[i] < 0 {
+		fd, err := r.reopen(i, unix.O_RDONLY)
+		if err != nil {
+			return -1, err
+		}
+		r.ro[i] = fd
+	}
+	return unix.FcntlInt(uintptr(r.ro[i]), unix.F_DUPFD_CLOEXEC, 0) //nolint:gosec // a valid fd
 }
 
 // reopen opens slot i's memfd anew (through /proc/self/fd) with mode
