@@ -112,29 +112,26 @@ type attribution struct {
 // maxAttributions bounds the remembered answers.
 const maxAttributions = 4096
 
-// attribute names the instance a host pid belongs to, as attach does. The
-// answer is remembered for the same process (pid and start time) while the
-// set of instances stays the same: a check asks about every process on the
-// device four times a second, and the walk up the process tree is the
-// costly part.
-func (e *Enforcer) attribute(pid int) (string, bool) {
-	st, err := e.o.proc.Stat(pid)
-	if err != nil {
-		return "", false
-	}
+// attribute names the instance a host pid belongs to, as attach does; the
+// backstop tells the start time of the process it asks about. The answer
+// is remembered for the same process (pid and start time) while the set of
+// instances stays the same: a check asks about every process on the device
+// four times a second, and the walk up the process tree is the costly
+// part.
+func (e *Enforcer) attribute(pid int, start uint64) (string, bool) {
 	e.mu.Lock()
-	if a, ok := e.attrs[pid]; ok && a.start == st.StartTime && a.gen == e.gen {
+	if a, ok := e.attrs[pid]; ok && a.start == start && a.gen == e.gen {
 		e.mu.Unlock()
 		return a.name, a.ok
 	}
 	e.mu.Unlock()
 	info, err := e.inspect(pid)
-	if err != nil || info.startTime != st.StartTime {
+	if err != nil || info.startTime != start {
 		return "", false
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	a := attribution{start: st.StartTime, gen: e.gen}
+	a := attribution{start: start, gen: e.gen}
 	if in := e.matchLocked(info); in != nil {
 		a.name, a.ok = in.name, true
 	}

@@ -304,7 +304,7 @@ func New(src Source, opts ...Option) (*Watcher, error) {
 		}
 	}
 	if o.procs == nil {
-		o.procs = HostProcs{FS: procfs.Host}
+		o.procs = NewHostProcs(procfs.Host)
 	}
 	if o.killer == nil {
 		o.killer = PidfdKiller{Procs: o.procs}
@@ -323,12 +323,13 @@ func New(src Source, opts ...Option) (*Watcher, error) {
 
 // Check samples the device at now (a monotonic time) and judges the
 // device's instances (their quotas and the GPU time the enforcer accounted
-// for them so far); attribute maps a host pid to the name of the instance it
-// belongs to. It returns the violations found, after acting on them, and an
+// for them so far); attribute maps a host pid, whose process started at
+// start (clock ticks after boot), to the name of the instance it belongs
+// to. It returns the violations found, after acting on them, and an
 // error when the source failed: what could still be judged is judged (a
 // failing memory query leaves compute alone, and the reverse). Call it
 // every interval, from one goroutine at a time.
-func (w *Watcher) Check(now time.Duration, instances []Instance, attribute func(pid int) (string, bool)) ([]Violation, error) {
+func (w *Watcher) Check(now time.Duration, instances []Instance, attribute func(pid int, start uint64) (string, bool)) ([]Violation, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	byName := make(map[string]Instance, len(instances))
@@ -379,7 +380,7 @@ func (w *Watcher) Check(now time.Duration, instances []Instance, attribute func(
 // identify reads pid's start time, attributes it and reads the start time
 // again: a process that exited or whose pid was reused meanwhile is not
 // judged (nil).
-func (w *Watcher) identify(now time.Duration, pid int, attribute func(int) (string, bool)) *pidState {
+func (w *Watcher) identify(now time.Duration, pid int, attribute func(int, uint64) (string, bool)) *pidState {
 	if pid <= 0 {
 		return nil
 	}
@@ -387,7 +388,7 @@ func (w *Watcher) identify(now time.Duration, pid int, attribute func(int) (stri
 	if err != nil {
 		return nil
 	}
-	name, ok := attribute(pid)
+	name, ok := attribute(pid, st)
 	if st2, err := w.o.procs.StartTime(pid); err != nil || st2 != st {
 		return nil
 	}

@@ -45,7 +45,7 @@ func (r *rig) proc(pid int, instance string) {
 	}
 }
 
-func (r *rig) attribute(pid int) (string, bool) {
+func (r *rig) attribute(pid int, _ uint64) (string, bool) {
 	in, ok := r.owner[pid]
 	return in, ok
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"sync"
 
 	"golang.org/x/sys/unix"
 
@@ -20,20 +21,108 @@ type Procs interface {
 }
 
 // HostProcs reads start times from a proc file system (procfs.Host in
-// production).
-type HostProcs struct{ FS procfs.FS }
+// production). Made by NewHostProcs, it remembers the start time of each
+// process it read while a pidfd of that process shows it alive: a pid
+// cannot name another process before that one has exited, so asking again
+// about a live process costs one poll, not a read of /proc (the watcher
+// asks about every process on the device at every check).
+type HostProcs struct {
+	FS     procfs.FS
+	starts *startCache // nil: nothing is remembered
+}
+
+// NewHostProcs returns a HostProcs of fs that remembers start times.
+func NewHostProcs(fs procfs.FS) HostProcs {
+	return HostProcs{FS: fs, starts: &startCache{m: map[int]startEntry{}}}
+}
 
 // StartTime implements Procs. A zombie has exited.
 func (h HostProcs) StartTime(pid int) (uint64, error) {
+	if st, ok := h.starts.get(pid); ok {
+		return st, nil
+	}
+	// A pidfd opened before the read names the process read if it still
+	// lives after it.
+	fd := -1
+	if h.starts != nil {
+		if f, err := unix.PidfdOpen(pid, 0); err == nil {
+			fd = f
+		}
+	}
 	st, err := h.FS.Stat(pid)
 	gone := errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ESRCH)
 	if gone || err == nil && (st.State == 'Z' || st.State == 'X') {
-		return 0, fmt.Errorf("pid %d: %w", pid, os.ErrProcessDone)
+		err = fmt.Errorf("pid %d: %w", pid, os.ErrProcessDone)
 	}
-	if err != nil {
-		return 0, err
+	if err != nil || fd < 0 || pidfdExited(fd) {
+		if fd >= 0 {
+			_ = unix.Close(fd)
+		}
+		if err != nil {
+			return 0, err
+		}
+		return st.StartTime, nil
 	}
+	h.starts.put(pid, st.StartTime, fd)
 	return st.StartTime, nil
+}
+
+// startCache is HostProcs' memory: per pid, the start time read and a
+// pidfd of the process it was read of.
+type startCache struct {
+	mu sync.Mutex
+	m  map[int]startEntry
+}
+
+type startEntry struct {
+	start uint64
+	pidfd int
+}
+
+// maxStartCache bounds the processes remembered (each holds a pidfd).
+const maxStartCache = 4096
+
+// get returns pid's start time if its process still lives; an entry of
+// one that exited is dropped.
+func (c *startCache) get(pid int) (uint64, bool) {
+	if c == nil {
+		return 0, false
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, ok := c.m[pid]
+	if !ok {
+		return 0, false
+	}
+	if pidfdExited(e.pidfd) {
+		_ = unix.Close(e.pidfd)
+		delete(c.m, pid)
+		return 0, false
+	}
+	return e.start, true
+}
+
+// put remembers pid's start time; the cache keeps pidfd.
+func (c *startCache) put(pid int, start uint64, pidfd int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if old, ok := c.m[pid]; ok {
+		_ = unix.Close(old.pidfd)
+	} else if len(c.m) >= maxStartCache {
+		for _, e := range c.m {
+			_ = unix.Close(e.pidfd)
+		}
+		clear(c.m)
+	}
+	c.m[pid] = startEntry{start: start, pidfd: pidfd}
+}
+
+// pidfdExited reports whether the process of pidfd has exited (a pidfd
+// polls readable then).
+func pidfdExited(pidfd int) bool {
+	fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}} //nolint:gosec // fds fit in int32
+	n, err := unix.Poll(fds, 0)
+	return err == nil && n > 0
 }
 
 // Target is a process to kill: the pid and the start time it had when it
@@ -63,7 +152,7 @@ type Killer interface {
 type PidfdKiller struct{ Procs Procs }
 
 // NewPidfdKiller returns a PidfdKiller over the host's /proc.
-func NewPidfdKiller() PidfdKiller { return PidfdKiller{Procs: HostProcs{FS: procfs.Host}} }
+func NewPidfdKiller() PidfdKiller { return PidfdKiller{Procs: NewHostProcs(procfs.Host)} }
 
 // Kill implements Killer.
 func (k PidfdKiller) Kill(t Target) error {

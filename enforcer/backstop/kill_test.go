@@ -2,9 +2,11 @@ package backstop
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"syscall"
 	"testing"
 	"time"
@@ -136,5 +138,48 @@ func TestHostProcs(t *testing.T) {
 	}
 	if st, err := host.StartTime(os.Getpid()); err != nil || st == 0 {
 		t.Errorf("self: %d, %v", st, err)
+	}
+}
+
+// TestHostProcsRemembers checks that NewHostProcs's HostProcs reads a live
+// process's start time once and then believes its pidfd, and reads again
+// once the process has exited.
+func TestHostProcsRemembers(t *testing.T) {
+	t.Parallel()
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
+	pid := cmd.Process.Pid
+	root := t.TempDir()
+	dir := filepath.Join(root, strconv.Itoa(pid))
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// A stat file under a fake root names the live child: what is read
+	// from it shows when the file is read.
+	stat := func(start int) {
+		line := fmt.Sprintf("%d (sleep) S 1 1 1 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 %d 1000 100 0", pid, start)
+		if err := os.WriteFile(filepath.Join(dir, "stat"), []byte(line), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p := NewHostProcs(procfs.FS{Root: root})
+	stat(500)
+	if st, err := p.StartTime(pid); err != nil || st != 500 {
+		t.Fatalf("first: %d, %v, want 500", st, err)
+	}
+	stat(600)
+	if st, err := p.StartTime(pid); err != nil || st != 500 {
+		t.Fatalf("while it lives: %d, %v, want the remembered 500", st, err)
+	}
+	_ = cmd.Process.Kill()
+	_ = cmd.Wait()
+	if st, err := p.StartTime(pid); err != nil || st != 600 {
+		t.Fatalf("after it exited: %d, %v, want 600 read again", st, err)
+	}
+	if _, ok := p.starts.m[pid]; ok {
+		t.Fatal("the exited process is still remembered")
 	}
 }

@@ -248,7 +248,7 @@ func TestWatcherOverNVML(t *testing.T) {
 		t.Fatal(err)
 	}
 	owner := map[int]string{100: "good", 200: "bad"}
-	attr := func(pid int) (string, bool) { s, ok := owner[pid]; return s, ok }
+	attr := func(pid int, _ uint64) (string, bool) { s, ok := owner[pid]; return s, ok }
 	ins := []Instance{{Name: "good", MemoryQuota: 1 << 30}, {Name: "bad", MemoryQuota: 1 << 30}}
 	vs, err := w.Check(tick, ins, attr)
 	if err != nil || len(vs) != 1 || vs[0].Instance != "bad" || !slices.Equal(vs[0].Killed, []int{200}) {

@@ -449,7 +449,7 @@ func TestPidReusedDuringAttributionIsNotJudged(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := range 3 {
-		vs, err := w.Check(time.Duration(i)*tick, []Instance{{Name: "a", MemoryQuota: mib}}, func(int) (string, bool) { return "a", true })
+		vs, err := w.Check(time.Duration(i)*tick, []Instance{{Name: "a", MemoryQuota: mib}}, func(int, uint64) (string, bool) { return "a", true })
 		if err != nil || len(vs) != 0 {
 			t.Fatalf("got %v, %v", vs, err)
 		}
