@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mgpu-dev/mgpu/enforcer/procfs"
 )
 
 // Budgets of the attach server, per key: an instance, or for a caller that
@@ -189,7 +191,7 @@ func (k *keyCache) get(pid int) (attachKey, bool) {
 	if !ok {
 		return "", false
 	}
-	if time.Since(e.at) < keyCacheTTL && !exited(e.pidfd) {
+	if time.Since(e.at) < keyCacheTTL && !procfs.PidfdExited(e.pidfd) {
 		return e.key, true
 	}
 	k.drop(pid)
@@ -200,7 +202,7 @@ func (k *keyCache) get(pid int) (attachKey, bool) {
 func (k *keyCache) put(pid int, key attachKey, pidfd int) {
 	if len(k.m) >= keyCacheSize {
 		for p, e := range k.m {
-			if time.Since(e.at) >= keyCacheTTL || exited(e.pidfd) {
+			if time.Since(e.at) >= keyCacheTTL || procfs.PidfdExited(e.pidfd) {
 				k.drop(p)
 			}
 		}

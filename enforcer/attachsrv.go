@@ -15,6 +15,7 @@ import (
 
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/enforcer/attach"
+	"github.com/mgpu-dev/mgpu/enforcer/procfs"
 	"github.com/mgpu-dev/mgpu/enforcer/region"
 )
 
@@ -344,7 +345,7 @@ func sentPidfd(conn *net.UnixConn, sent []int, pid int, uid uint32, req attach.R
 	if err := holdsConn(conn, fd, int(req.SockFD-1)); err != nil {
 		return -1, fmt.Errorf("pid %d: %w", pid, err)
 	}
-	if exited(fd) {
+	if procfs.PidfdExited(fd) {
 		return -1, fmt.Errorf("pid %d: %w", pid, os.ErrProcessDone)
 	}
 	return unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0) //nolint:gosec // a valid fd
@@ -560,7 +561,7 @@ func (e *Enforcer) matchLocked(p peerInfo) *instance {
 // whether the root still lives (and so still owns its pid).
 func (in *instance) rootMatches(a ancestor) bool {
 	if a.pinned {
-		return in.rootFD >= 0 && !exited(in.rootFD)
+		return in.rootFD >= 0 && !procfs.PidfdExited(in.rootFD)
 	}
 	return in.startTime == a.startTime
 }
@@ -576,7 +577,7 @@ func under(p, base string) bool {
 func (e *Enforcer) callerInfo(c *attachConn) (resp attach.Response, info peerInfo, ok bool) {
 	resp = attach.Response{DeviceIndex: uint32(e.index)} //nolint:gosec // small
 	err := c.ierr
-	if err == nil && exited(c.pidfd) {
+	if err == nil && procfs.PidfdExited(c.pidfd) {
 		err = os.ErrProcessDone
 	}
 	if err != nil {
@@ -682,7 +683,7 @@ func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerI
 // refused.
 func (e *Enforcer) forAttached(c *attachConn, answer func(resp *attach.Response, in *instance, own int) []int) (attach.Response, []int) {
 	resp := attach.Response{DeviceIndex: uint32(e.index)} //nolint:gosec // small
-	if exited(c.pidfd) {
+	if procfs.PidfdExited(c.pidfd) {
 		resp.Status = attach.Internal
 		resp.Message = fmt.Sprintf("mgpu: cannot inspect pid %d: %v", c.pid, os.ErrProcessDone)
 		return resp, nil
@@ -709,7 +710,7 @@ func (e *Enforcer) slotOfLocked(pid int) (*instance, int) {
 	for _, in := range e.list {
 		own := -1
 		in.forSlots(func(i int) {
-			if own < 0 && int(in.reg.Proc(i).PID.Load()) == pid && in.slotFD[i] >= 0 && !exited(in.slotFD[i]) {
+			if own < 0 && int(in.reg.Proc(i).PID.Load()) == pid && in.slotFD[i] >= 0 && !procfs.PidfdExited(in.slotFD[i]) {
 				own = i
 			}
 		})
@@ -757,12 +758,4 @@ func (e *Enforcer) peers(c *attachConn) (attach.Response, []int) {
 		}
 		return fds
 	})
-}
-
-// exited reports whether a pidfd's process has exited (the pidfd polls
-// readable).
-func exited(pidfd int) bool {
-	fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}} //nolint:gosec // fds fit in int32
-	n, err := unix.Poll(fds, 0)
-	return err == nil && n > 0
 }

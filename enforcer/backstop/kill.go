@@ -54,7 +54,7 @@ func (h HostProcs) StartTime(pid int) (uint64, error) {
 	if gone || err == nil && (st.State == 'Z' || st.State == 'X') {
 		err = fmt.Errorf("pid %d: %w", pid, os.ErrProcessDone)
 	}
-	if err != nil || fd < 0 || pidfdExited(fd) {
+	if err != nil || fd < 0 || procfs.PidfdExited(fd) {
 		if fd >= 0 {
 			_ = unix.Close(fd)
 		}
@@ -94,7 +94,7 @@ func (c *startCache) get(pid int) (uint64, bool) {
 	if !ok {
 		return 0, false
 	}
-	if pidfdExited(e.pidfd) {
+	if procfs.PidfdExited(e.pidfd) {
 		_ = unix.Close(e.pidfd)
 		delete(c.m, pid)
 		return 0, false
@@ -115,14 +115,6 @@ func (c *startCache) put(pid int, start uint64, pidfd int) {
 		clear(c.m)
 	}
 	c.m[pid] = startEntry{start: start, pidfd: pidfd}
-}
-
-// pidfdExited reports whether the process of pidfd has exited (a pidfd
-// polls readable then).
-func pidfdExited(pidfd int) bool {
-	fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}} //nolint:gosec // fds fit in int32
-	n, err := unix.Poll(fds, 0)
-	return err == nil && n > 0
 }
 
 // Target is a process to kill: the pid and the start time it had when it

@@ -9,6 +9,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mgpu-dev/mgpu/enforcer/procfs"
 )
 
 // Holder is a live process that may hold memfds of a region: an attached
@@ -43,7 +45,7 @@ func (r *Region) Recover(holders []Holder) []int {
 			break
 		}
 		got := r.recoverFrom(h.PID, want)
-		if !exited(h.PidFD) {
+		if !procfs.PidfdExited(h.PidFD) {
 			found = append(found, got...)
 			continue
 		}
@@ -127,12 +129,4 @@ func (r *Region) adopt(i int, path string) error {
 		_ = unix.Close(fd)
 	}
 	return err
-}
-
-// exited reports whether a pidfd's process has exited (the pidfd polls
-// readable), or the pidfd is unusable.
-func exited(pidfd int) bool {
-	fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}} //nolint:gosec // fds fit in int32
-	n, err := unix.Poll(fds, 0)
-	return err != nil || n != 0
 }
