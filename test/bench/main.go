@@ -380,10 +380,10 @@ func (b *bench) processStart() error {
 		}
 		return float64(time.Since(t0).Nanoseconds()), nil
 	}
-	medianOf := func(k int, shim bool, path string, args ...string) (float64, error) {
+	medianOfEnv := func(k int, env []string, path string, args ...string) (float64, error) {
 		var v []float64
 		for range k {
-			d, err := timeOne(envOf(shim), path, args...)
+			d, err := timeOne(env, path, args...)
 			if err != nil {
 				return 0, err
 			}
@@ -392,6 +392,9 @@ func (b *bench) processStart() error {
 		return median(v), nil
 	}
 	// /bin/true: preloading the shim must cost nothing measurable.
+	medianOf := func(k int, shim bool, path string, args ...string) (float64, error) {
+		return medianOfEnv(k, envOf(shim), path, args...)
+	}
 	p, err := interleaved(b.startRounds, func(shim bool) (float64, error) { return medianOf(20, shim, "/bin/true") })
 	if err != nil {
 		return err
@@ -409,6 +412,25 @@ func (b *bench) processStart() error {
 	b.report("start_cuda_shim_1proc", p.on/1e6, "ms/process", info(""))
 	b.report("attach_1proc", p.diff/1e6, "ms/process", atMost(0.5, fmt.Sprintf("(median of %d paired rounds)", b.startRounds)))
 	b.report("attach_1proc_spread", p.spread/1e6, "ms/process", info("(interquartile range)"))
+	// The floor, the same way: a preloaded library that makes one request
+	// of the protocol's size to a server answering at once (floor.go).
+	fl, err := startFloor()
+	if err != nil {
+		return err
+	}
+	p, err = interleaved(b.startRounds, func(floor bool) (float64, error) {
+		env := n.Env()
+		if floor {
+			env = fl.env(env)
+		}
+		return medianOfEnv(10, env, n.Paths.Workload, "info")
+	})
+	fl.close()
+	if err != nil {
+		return err
+	}
+	b.report("attach_floor_1proc", p.diff/1e6, "ms/process", info("(the machine's floor: a preloaded library making one request of the same size to a server answering at once)"))
+	b.report("attach_floor_1proc_spread", p.spread/1e6, "ms/process", info("(interquartile range)"))
 	const procs = 64
 	p, err = interleaved(b.startRounds, func(shim bool) (float64, error) {
 		t0 := time.Now()
