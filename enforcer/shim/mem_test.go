@@ -12,6 +12,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 var allocAPIs = []string{"cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemAllocAsync",
@@ -266,6 +267,39 @@ func TestFailClosed(t *testing.T) {
 				t.Fatalf("fail-open: exit %d\n%s%s", r.code, r.out, r.err)
 			}
 		})
+	}
+}
+
+// cuInit sends the attach request, lets the real driver initialise while
+// the enforcer answers, and reads the reply after: the test server holds
+// its answer until the process has the thread fakecuda's cuInit starts (its
+// keeper), which a shim that waited for the reply before the real cuInit
+// would never show.
+func TestAttachBesideDriverInit(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	s := newServer(t, e.run, 0)
+	saw := make(chan int, 4)
+	s.beforeReply = func(pid int) {
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+			if err == nil && len(ents) >= 2 || time.Now().After(deadline) {
+				saw <- len(ents)
+				return
+			}
+			time.Sleep(200 * time.Microsecond) // polling the process's threads, not waiting for time
+		}
+	}
+	r := e.wl("info")
+	if r.code != 0 {
+		t.Fatalf("info: exit %d\n%s%s", r.code, r.out, r.err)
+	}
+	if n := <-saw; n < 2 {
+		t.Fatalf("the attach was answered only after 5 s without the real driver initialising (%d thread): cuInit waits for the reply before the driver", n)
+	}
+	if !strings.Contains(r.out, "device.0.mem_total=1073741824") {
+		t.Fatalf("info does not report the quota:\n%s", r.out)
 	}
 }
 

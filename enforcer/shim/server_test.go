@@ -45,12 +45,15 @@ type testServer struct {
 	view   *region.View
 	ln     *net.UnixListener
 	refuse atomic.Pointer[string] // non-nil: answer every attach with NO_INSTANCE and this message
-	conns  atomic.Int64
-	mu     sync.Mutex                   // slot assignment
-	claims []string                     // pids that attached, in order; under mu
-	taken  [region.MaxProcs / 64]uint64 // taken slots, as published in the region; under mu
-	wg     sync.WaitGroup
-	wake   [2]int // the wake socket pair: [0] the server's end, [1] the processes'
+	// beforeReply, when set, runs before an attach is answered, with the
+	// caller's pid.
+	beforeReply func(pid int)
+	conns       atomic.Int64
+	mu          sync.Mutex                   // slot assignment
+	claims      []string                     // pids that attached, in order; under mu
+	taken       [region.MaxProcs / 64]uint64 // taken slots, as published in the region; under mu
+	wg          sync.WaitGroup
+	wake        [2]int // the wake socket pair: [0] the server's end, [1] the processes'
 }
 
 type serverOpt func(*region.Params)
@@ -164,6 +167,9 @@ func (s *testServer) handle(c *net.UnixConn) {
 	if m := s.refuse.Load(); m != nil {
 		fail(attachNoInstance, *m)
 		return
+	}
+	if s.beforeReply != nil {
+		s.beforeReply(int(cred.Pid))
 	}
 	slot := s.claim(uint32(cred.Pid)) //nolint:gosec // pids are positive
 	if slot < 0 {

@@ -242,6 +242,29 @@ static struct mgpu_dev g_devs[MGPU_MAX_DEVICES];
 static int g_ndevs;        /* ordinals 0..g_ndevs-1 */
 static _Atomic int g_fast_checked;
 
+/* An attach goes in two halves: the requests, one per device (attach_send),
+ * and their replies (attach_finish).  cuInit sends the requests, lets the
+ * real driver initialise while the enforcers answer, and only then reads
+ * the replies, so that a process waits for the enforcer only as long as its
+ * driver's initialisation does not already take.  Guarded by g_init_mu. */
+#define MGPU_NO_REQUEST (-1) /* default mode: a device without an enforcer */
+static struct {
+    int active; /* requests sent, replies not read */
+    int n;
+    int open; /* MGPU_FAIL_OPEN=1 */
+    unsigned idx[MGPU_MAX_DEVICES];
+    int sock[MGPU_MAX_DEVICES]; /* or MGPU_NO_REQUEST */
+} g_pend;
+
+static void close_pending(int from)
+{
+    for (int k = from; k < g_pend.n; k++)
+        if (g_pend.sock[k] >= 0)
+            close(g_pend.sock[k]);
+    g_pend.active = 0;
+    g_pend.n = 0;
+}
+
 static void unmap_dev(struct mgpu_dev *d)
 {
     if (d->region)
@@ -265,6 +288,7 @@ static void reset_attachment(void)
         memset(&g_devs[i], 0, sizeof g_devs[i]);
     }
     g_ndevs = 0;
+    close_pending(0); /* the parent's requests: the parent reads their replies */
     atomic_store(&mgpu_fast_dev, NULL);
     atomic_store(&g_fast_checked, 0);
     atomic_store(&mgpu_state_now, MGPU_ST_NONE);
@@ -685,11 +709,10 @@ void mgpu_wake(struct mgpu_dev *d)
     errno = saved;
 }
 
-static int attach_one(struct mgpu_dev *d, unsigned idx, char *path, size_t pathlen, char *err, size_t errlen)
+/* Reads the reply to the attach request on socket s (closed here) and maps
+ * device idx's region into d.  Returns 0, or -1 with err filled. */
+static int attach_one(struct mgpu_dev *d, int s, unsigned idx, char *err, size_t errlen)
 {
-    int s = request(idx, 0, MGPU_REQUEST_TIMEOUT_MS, path, pathlen, err, errlen);
-    if (s < 0)
-        return -1;
     mgpu_attach_resp_t resp;
     memset(&resp, 0, sizeof resp);
     int fds[MGPU_ATTACH_FDS];
@@ -749,12 +772,14 @@ static void fail_line(const char *what, const char *err, int open)
         fprintf(stderr, "mgpu: %s: %s; set MGPU_FAIL_OPEN=1 to run without limits (debugging only)\n", what, err);
 }
 
-static enum mgpu_state do_attach(void)
+/* Sends the attach requests.  Returns MGPU_ST_NONE with the requests
+ * pending, or the state a failure leaves (its line printed). */
+static enum mgpu_state attach_send(void)
 {
     const char *fo = getenv("MGPU_FAIL_OPEN");
     int open = fo && strcmp(fo, "1") == 0;
     char path[PATH_MAX], err[320], what[PATH_MAX + 32];
-    unsigned idx[MGPU_MAX_DEVICES];
+    unsigned *idx = g_pend.idx;
     int n = 0, explicit_list = 0;
     const char *vis = getenv("MGPU_VISIBLE_DEVICES");
 
@@ -775,24 +800,53 @@ static enum mgpu_state do_attach(void)
             n = 1;
         }
     }
-    int attached = 0;
+    g_pend.open = open;
+    g_pend.n = 0;
     for (int k = 0; k < n; k++) {
-        struct mgpu_dev *d = &g_devs[k];
-        memset(d, 0, sizeof *d);
-        d->ordinal = k;
         struct stat st;
+        g_pend.n = k + 1;
+        g_pend.sock[k] = MGPU_NO_REQUEST;
         if (!explicit_list && n > 1 && sock_path(path, sizeof path, idx[k]) == 0 && stat(path, &st) != 0)
             continue; /* default mode: a device without an enforcer is refused, not attached */
-        if (attach_one(d, idx[k], path, sizeof path, err, sizeof err)) {
-            for (int j = 0; j < k; j++)
-                unmap_dev(&g_devs[j]);
-            memset(d, 0, sizeof *d);
+        int sk = request(idx[k], 0, MGPU_REQUEST_TIMEOUT_MS, path, sizeof path, err, sizeof err);
+        if (sk < 0) {
+            close_pending(0);
             snprintf(what, sizeof what, "cannot attach to %s", path);
             fail_line(what, err, open);
             return open ? MGPU_ST_OPEN : MGPU_ST_FAILED;
         }
-        attached++;
+        g_pend.sock[k] = sk;
     }
+    g_pend.active = 1;
+    return MGPU_ST_NONE;
+}
+
+/* Reads the replies of the pending requests and maps the regions. */
+static enum mgpu_state attach_finish(void)
+{
+    char path[PATH_MAX], err[320], what[PATH_MAX + 32];
+    int n = g_pend.n, open = g_pend.open;
+    for (int k = 0; k < n; k++) {
+        struct mgpu_dev *d = &g_devs[k];
+        memset(d, 0, sizeof *d);
+        d->ordinal = k;
+        int sk = g_pend.sock[k];
+        if (sk == MGPU_NO_REQUEST)
+            continue;
+        g_pend.sock[k] = MGPU_NO_REQUEST; /* closed by attach_one */
+        if (attach_one(d, sk, g_pend.idx[k], err, sizeof err)) {
+            close_pending(k + 1);
+            for (int j = 0; j < k; j++)
+                unmap_dev(&g_devs[j]);
+            memset(d, 0, sizeof *d);
+            if (sock_path(path, sizeof path, g_pend.idx[k]))
+                snprintf(path, sizeof path, "%s/gpu%u/client/client.sock", run_dir(), g_pend.idx[k]);
+            snprintf(what, sizeof what, "cannot attach to %s", path);
+            fail_line(what, err, open);
+            return open ? MGPU_ST_OPEN : MGPU_ST_FAILED;
+        }
+    }
+    g_pend.active = 0;
     g_ndevs = n;
     return MGPU_ST_READY;
 }
@@ -808,8 +862,31 @@ enum mgpu_state mgpu_ensure(void)
     pthread_mutex_lock(&g_init_mu);
     s = atomic_load_explicit(&mgpu_state_now, memory_order_relaxed);
     if (s == MGPU_ST_NONE) {
-        s = do_attach();
+        if (!g_pend.active)
+            s = attach_send();
+        if (s == MGPU_ST_NONE)
+            s = attach_finish();
         atomic_store_explicit(&mgpu_state_now, s, memory_order_release);
+    }
+    pthread_mutex_unlock(&g_init_mu);
+    return (enum mgpu_state)s;
+}
+
+/* Sends the attach requests unless they have been sent or answered
+ * (mgpu_ensure reads the replies).  Returns MGPU_ST_NONE while they are
+ * pending, else the state reached. */
+static enum mgpu_state attach_ahead(void)
+{
+    int s = atomic_load_explicit(&mgpu_state_now, memory_order_acquire);
+    if (s != MGPU_ST_NONE)
+        return (enum mgpu_state)s;
+    pthread_once(&g_atfork_once, register_atfork);
+    pthread_mutex_lock(&g_init_mu);
+    s = atomic_load_explicit(&mgpu_state_now, memory_order_relaxed);
+    if (s == MGPU_ST_NONE && !g_pend.active) {
+        s = attach_send();
+        if (s != MGPU_ST_NONE)
+            atomic_store_explicit(&mgpu_state_now, s, memory_order_release);
     }
     pthread_mutex_unlock(&g_init_mu);
     return (enum mgpu_state)s;
@@ -957,10 +1034,17 @@ MGPU_EXPORT CUresult cuInit(unsigned int Flags)
 {
     if (mgpu_load_cuda())
         return CUDA_ERROR_NOT_INITIALIZED;
-    enum mgpu_state s = mgpu_ensure();
+    /* The requests go first and the real driver initialises while the
+     * enforcers answer.  A process that cannot even ask never initialises
+     * the real driver; one refused in the reply has initialised it (no
+     * context, no device memory) and fails here all the same. */
+    enum mgpu_state s = attach_ahead();
     if (s == MGPU_ST_FAILED)
-        return CUDA_ERROR_NOT_INITIALIZED; /* never initialise the real driver */
+        return CUDA_ERROR_NOT_INITIALIZED;
     CUresult r = REAL(cuInit)(Flags);
+    s = mgpu_ensure();
+    if (s == MGPU_ST_FAILED)
+        return CUDA_ERROR_NOT_INITIALIZED;
     if (r == CUDA_SUCCESS && s == MGPU_ST_READY)
         check_fast();
     return r;
