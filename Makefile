@@ -17,7 +17,7 @@ export PATH := $(CACHE_DIR)/bin:$(PATH)
 # C components, each with its own Makefile (BUILD= is passed down).
 C_DIRS := $(patsubst %/Makefile,%,$(wildcard test/fakecuda/Makefile test/workload/Makefile enforcer/shim/Makefile))
 
-.PHONY: all build go c test fuzz deps lint e2e bench demo package clean
+.PHONY: all build go c test fuzz deps lint e2e bench demo package image clean
 
 all: build
 
@@ -100,3 +100,15 @@ package: build
 	  (cd $(BUILD)/pkg && MGPU_PKG_VERSION=$(PKG_VERSION) MGPU_PKG_ARCH=$(PKG_ARCH) \
 	    $(NFPM) package --config $(CURDIR)/packaging/nfpm.yaml --packager $$p --target $(DIST)/); \
 	done
+
+# image: $(DIST)/mgpu-image_<version>_<arch>.tar, mgpu's container image
+# (every binary, the shim, the default config; the cgo binaries with the C
+# library they load) as an OCI archive, written by packaging/image with no
+# registry and no container daemon; the same build gives the same digest.
+# Named $(IMAGE_REPO):<version, '+' and '~' turned into '-'>.
+IMAGE_REPO ?= ghcr.io/mgpu-dev/mgpu
+IMAGE_OUT  ?= $(DIST)/mgpu-image_$(PKG_VERSION)_$(PKG_ARCH).tar
+
+image: build
+	@test -n "$(PKG_VERSION)" || { echo "image: no version (see packaging/scripts/pkg-version.sh)"; exit 1; }
+	$(GO) run ./packaging/image -build $(BUILD) -version "$(PKG_VERSION)" -repository $(IMAGE_REPO) -out $(IMAGE_OUT)

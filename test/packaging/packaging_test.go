@@ -14,6 +14,7 @@ package packaging_test
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -33,6 +34,7 @@ import (
 
 	"github.com/mgpu-dev/mgpu/cdi"
 	"github.com/mgpu-dev/mgpu/internal/config"
+	"github.com/mgpu-dev/mgpu/test/e2e"
 )
 
 // The two versions the tests build: the upgrade goes from the first to the
@@ -1220,4 +1222,67 @@ func pollFor(timeout time.Duration, cond func() bool) error {
 		time.Sleep(50 * time.Millisecond) // poll interval, bounded by the deadline
 	}
 	return nil
+}
+
+// `make image` writes the same archive from two builds of one version (in
+// two scratch build directories), and what containerd imports from it runs:
+// every binary starts in the image (the cgo ones with the C library the
+// image carries) and says the version it was built as.
+func TestMakeImage(t *testing.T) {
+	needTools(t, "make", "go")
+	var sums [2]string
+	var outs [2]string
+	for i := range sums {
+		b := t.TempDir()
+		outs[i] = filepath.Join(b, "image.tar")
+		cmd := exec.Command("make", "--no-print-directory", "image", "BUILD="+b, "VERSION="+v1, "IMAGE_OUT="+outs[i], "IMAGE_REPO=mgpu.local/test/mgpu")
+		cmd.Dir = repoRoot(t)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("make image: %v\n%s", err, out)
+		}
+		data, err := os.ReadFile(outs[i])
+		if err != nil {
+			t.Fatal(err)
+		}
+		sums[i] = fmt.Sprintf("%x", sha256.Sum256(data))
+		t.Logf("build %d: %d bytes, sha256 %s", i+1, len(data), sums[i])
+	}
+	if sums[0] != sums[1] {
+		t.Fatalf("two builds of %s gave different archives: %s and %s", v1, sums[0], sums[1])
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("running the image needs root (containerd)")
+	}
+	bin, err := e2e.ContainerdBinaries()
+	if err != nil {
+		t.Skip(err)
+	}
+	c, err := e2e.StartContainerd(bin, filepath.Join(t.TempDir(), "containerd"), t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	ctx := context.Background()
+	if out, err := c.Ctr(ctx, 2*time.Minute, "images", "import", outs[0]); err != nil {
+		t.Fatalf("ctr images import: %v\n%s", err, out)
+	}
+	ref := "mgpu.local/test/mgpu:" + v1
+	for i, tc := range []struct {
+		args []string
+		want string // in its output
+		fail bool   // it exits non-zero (flag's -h)
+	}{
+		{[]string{"/usr/bin/mgpu-cli", "version"}, "mgpu-cli " + v1, false},
+		{[]string{"/usr/bin/mgpu-enforcer", "-h"}, "Usage of mgpu-enforcer", true},
+		{[]string{"/usr/bin/mgpu-hook", "--help"}, "OCI hook of mgpu", false},
+		{[]string{"/usr/bin/mgpu-device-plugin", "--help"}, "mgpu's kubelet device plugin", false},
+		{[]string{"/usr/bin/mgpu-webhook", "--help"}, "mutating admission webhook", false},
+		{[]string{"/usr/bin/kubectl-inspect-mgpu", "--help"}, "kubectl inspect mgpu", false},
+	} {
+		out, err := c.Ctr(ctx, time.Minute, append([]string{"run", "--rm", ref, fmt.Sprintf("image-%d", i)}, tc.args...)...)
+		if (err != nil) != tc.fail || !strings.Contains(out, tc.want) {
+			t.Errorf("%s in the image: err %v, want %q in its output:\n%s", strings.Join(tc.args, " "), err, tc.want, out)
+		}
+	}
 }
