@@ -44,22 +44,22 @@ func nodeLabels(c *cli.Context) error {
 	return fsutil.WriteFileAtomic(out, []byte(b.String()), 0o644)
 }
 
+// nodeCommand is `mgpu-cli node`; the files of its subcommands add them.
+var nodeCommand = &cli.Command{Name: "node", Usage: "node-level information; install the node side from the image"}
+
 func init() {
-	commands = append(commands, &cli.Command{
-		Name:  "node",
-		Usage: "node-level information",
-		Subcommands: []*cli.Command{{
-			Name:      "labels",
-			Usage:     "print the node's GPU model labels and compute policy label",
-			UsageText: "mgpu-cli node labels [--format labels|nfd] [--output-file FILE]",
-			Description: "Prints aliyun.accelerator/nvidia_name (spaces replaced by '-'), nvidia_mem (MiB),\n" +
-				"nvidia_count and vke.volcengine.com/mgpu-compute-policy, one key=value per line.\n" +
-				"--format nfd writes node-feature-discovery's local-source (features.d) format.",
-			Flags: []cli.Flag{
-				&cli.StringFlag{Name: "format", Value: "labels", Usage: "`FORMAT`: labels or nfd"},
-				&cli.StringFlag{Name: "output-file", Usage: "write to `FILE` (atomically) instead of stdout"},
-			},
-			Action: nodeLabels,
-		}},
-	})
+	commands = append(commands, nodeCommand)
+	nodeCommand.Subcommands = append(nodeCommand.Subcommands, []*cli.Command{{
+		Name:      "labels",
+		Usage:     "print the node's GPU model labels and compute policy label",
+		UsageText: "mgpu-cli node labels [--format labels|nfd] [--output-file FILE]",
+		Description: "Prints aliyun.accelerator/nvidia_name (spaces replaced by '-'), nvidia_mem (MiB),\n" +
+			"nvidia_count and vke.volcengine.com/mgpu-compute-policy, one key=value per line.\n" +
+			"--format nfd writes node-feature-discovery's local-source (features.d) format.",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "format", Value: "labels", Usage: "`FORMAT`: labels or nfd"},
+			&cli.StringFlag{Name: "output-file", Usage: "write to `FILE` (atomically) instead of stdout"},
+		},
+		Action: nodeLabels,
+	}}...)
 }
