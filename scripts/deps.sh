@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE_DIR=${CACHE_DIR:-/var/cache/mgpu}
 GOLANGCI_VERSION=v2.6.2
+HELM_VERSION=v4.3.2
 mkdir -p "$CACHE_DIR/bin"
 
 have_lint() {
@@ -17,6 +18,20 @@ if ! have_lint; then
   echo "deps: installing golangci-lint $GOLANGCI_VERSION into $CACHE_DIR/bin"
   (cd /tmp && GOBIN="$CACHE_DIR/bin" GOFLAGS=-buildvcs=false \
     go install "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$GOLANGCI_VERSION")
+fi
+
+# helm, for the chart's tests (test/chart: helm lint and helm template).
+# `go install` sets no release version, so the build is given it: without
+# it `helm version --short` says only "v4.3".
+have_helm() {
+  [ -x "$CACHE_DIR/bin/helm" ] &&
+    [ "$("$CACHE_DIR/bin/helm" version --short 2>/dev/null)" = "$HELM_VERSION" ]
+}
+if ! have_helm; then
+  echo "deps: installing helm $HELM_VERSION into $CACHE_DIR/bin"
+  (cd /tmp && GOBIN="$CACHE_DIR/bin" GOFLAGS=-buildvcs=false \
+    go install -ldflags "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION" \
+    "helm.sh/helm/v4/cmd/helm@$HELM_VERSION")
 fi
 
 # Packaging test dependencies: rpm (rpm -qlp), systemd (systemd-analyze

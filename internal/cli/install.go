@@ -443,7 +443,10 @@ func (in *installer) uninstall() error {
 
 // daemonSetGone reports whether the DaemonSet namespace/name is gone or
 // being deleted: the node's files go only with it, not when its pods are
-// replaced by an update.
+// replaced by an update. A release being uninstalled also loses the
+// ServiceAccount and Role that let the pod ask (Helm deletes them in the
+// same pass, without waiting for the pods): a token no longer accepted
+// (401) or no longer allowed (403) says the same, which no update does.
 var daemonSetGone = func(ctx context.Context, kubeconfigPath, namespace, name string) (bool, error) {
 	c, err := kubeconfig.User(kubeconfigPath)
 	if err != nil {
@@ -454,7 +457,7 @@ var daemonSetGone = func(ctx context.Context, kubeconfigPath, namespace, name st
 		return false, err
 	}
 	ds, err := cs.DaemonSets(namespace).Get(ctx, name, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
+	if apierrors.IsNotFound(err) || apierrors.IsUnauthorized(err) || apierrors.IsForbidden(err) {
 		return true, nil
 	}
 	if err != nil {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -325,5 +327,47 @@ while :; do sleep 0.05; done
 	got := lines()
 	if strings.Count(got, "--device 0 --config /etc/mgpu/config.toml") != 1 || !strings.Contains(got, "stopped 0") || !strings.Contains(got, "stopped 1") {
 		t.Errorf("starts and stops:\n%s", got)
+	}
+}
+
+// What the API server answers about the DaemonSet: there (not being
+// deleted), being deleted, gone; a token no longer accepted or allowed
+// (the release's ServiceAccount and Role deleted with it) counts as gone;
+// a server error does not.
+func TestDaemonSetGone(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		status int
+		body   string
+		gone   bool
+		err    bool
+	}{
+		{200, `{"apiVersion":"apps/v1","kind":"DaemonSet","metadata":{"name":"mgpu-node","namespace":"kube-system"}}`, false, false},
+		{200, `{"apiVersion":"apps/v1","kind":"DaemonSet","metadata":{"name":"mgpu-node","namespace":"kube-system","deletionTimestamp":"2026-12-06T00:00:00Z"}}`, true, false},
+		{404, `{"apiVersion":"v1","kind":"Status","status":"Failure","reason":"NotFound","code":404}`, true, false},
+		{401, `{"apiVersion":"v1","kind":"Status","status":"Failure","reason":"Unauthorized","code":401}`, true, false},
+		{403, `{"apiVersion":"v1","kind":"Status","status":"Failure","reason":"Forbidden","code":403}`, true, false},
+		{500, `{"apiVersion":"v1","kind":"Status","status":"Failure","reason":"InternalError","code":500}`, false, true},
+	} {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/apis/apps/v1/namespaces/kube-system/daemonsets/mgpu-node" {
+				t.Errorf("asked for %s", r.URL.Path)
+			}
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(tc.status)
+			_, _ = w.Write([]byte(tc.body))
+		}))
+		kc := filepath.Join(t.TempDir(), "kubeconfig")
+		conf := fmt.Sprintf("apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: %s\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: u\ncurrent-context: c\nusers:\n- name: u\n  user:\n    token: t\n", srv.URL)
+		if err := os.WriteFile(kc, []byte(conf), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		gone, err := daemonSetGone(ctx, kc, "kube-system", "mgpu-node")
+		cancel()
+		srv.Close()
+		if gone != tc.gone || (err != nil) != tc.err {
+			t.Errorf("HTTP %d: gone %v err %v, want gone %v err %v", tc.status, gone, err, tc.gone, tc.err)
+		}
 	}
 }
