@@ -1231,9 +1231,10 @@ func pollFor(timeout time.Duration, cond func() bool) error {
 func TestMakeImage(t *testing.T) {
 	needTools(t, "make", "go")
 	var sums [2]string
-	var outs [2]string
+	var outs, builds [2]string
 	for i := range sums {
 		b := t.TempDir()
+		builds[i] = b
 		outs[i] = filepath.Join(b, "image.tar")
 		cmd := exec.Command("make", "--no-print-directory", "image", "BUILD="+b, "VERSION="+v1, "IMAGE_OUT="+outs[i], "IMAGE_REPO=mgpu.local/test/mgpu")
 		cmd.Dir = repoRoot(t)
@@ -1283,6 +1284,81 @@ func TestMakeImage(t *testing.T) {
 		out, err := c.Ctr(ctx, time.Minute, append([]string{"run", "--rm", ref, fmt.Sprintf("image-%d", i)}, tc.args...)...)
 		if (err != nil) != tc.fail || !strings.Contains(out, tc.want) {
 			t.Errorf("%s in the image: err %v, want %q in its output:\n%s", strings.Join(tc.args, " "), err, tc.want, out)
+		}
+	}
+	t.Run("node install", func(t *testing.T) { imageNodeInstall(t, c, ref, builds[0]) })
+}
+
+// imageNodeInstall runs the chart's installer from the image, the host's
+// directories bound in under /host as the chart mounts them, on a
+// simulated node: the build's hook and shim land in a directory of their
+// own, with the node configuration and the CDI spec naming them; node
+// uninstall removes them again.
+func imageNodeInstall(t *testing.T, c *e2e.Containerd, ref, build string) {
+	d := t.TempDir()
+	host := map[string]string{ // in the container -> here
+		"/host/opt/mgpu":    filepath.Join(d, "opt"),
+		"/host/etc/mgpu":    filepath.Join(d, "etc"),
+		"/host/var/run/cdi": filepath.Join(d, "cdi"),
+		"/etc/mgpu-chart":   filepath.Join(d, "chart"),
+	}
+	run := filepath.Join(d, "run")
+	host[run] = run
+	for _, p := range host {
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sim, err := os.ReadFile(filepath.Join(repoRoot(t), "packaging/config/sim-node.toml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	conf := fmt.Sprintf("run_dir = %q\nstate_dir = %q\ncdi_spec_dir = \"/var/run/cdi\"\n", run, filepath.Join(run, "state"))
+	if err := os.WriteFile(filepath.Join(host["/etc/mgpu-chart"], "config.toml"), append([]byte(conf), sim...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	ctrRun := func(name string, args ...string) string {
+		t.Helper()
+		a := []string{"run", "--rm", "--privileged"}
+		for in, here := range host {
+			a = append(a, "--mount", "type=bind,src="+here+",dst="+in+",options=rbind:rw")
+		}
+		a = append(append(a, ref, name, "/usr/bin/mgpu-cli", "--config", "/etc/mgpu-chart/config.toml", "node"), args...)
+		out, err := c.Ctr(ctx, time.Minute, a...)
+		if err != nil {
+			t.Fatalf("node %s in the image: %v\n%s", args[0], err, out)
+		}
+		return out
+	}
+	out := ctrRun("install", "install", "--host-root", "/host", "--install-dir", "/opt/mgpu")
+	ents, err := os.ReadDir(host["/host/opt/mgpu"])
+	if err != nil || len(ents) != 1 {
+		t.Fatalf("/opt/mgpu after node install: %v (%v)\n%s", ents, err, out)
+	}
+	dir := "/opt/mgpu/" + ents[0].Name()
+	if !strings.HasPrefix(ents[0].Name(), v1+"-") {
+		t.Errorf("the build's directory %s is not named after version %s", dir, v1)
+	}
+	for rel, src := range map[string]string{"bin/mgpu-hook": "bin/mgpu-hook", "lib/mgpu/libmgpu-shim.so": "lib/libmgpu-shim.so"} {
+		got, err1 := os.ReadFile(filepath.Join(host["/host/opt/mgpu"], ents[0].Name(), rel))
+		want, err2 := os.ReadFile(filepath.Join(build, src))
+		if err1 != nil || err2 != nil || !bytes.Equal(got, want) {
+			t.Errorf("%s/%s is not the image's %s (%v, %v)", dir, rel, src, err1, err2)
+		}
+	}
+	cfg, err := os.ReadFile(filepath.Join(host["/host/etc/mgpu"], "config.toml"))
+	if err != nil || !strings.Contains(string(cfg), fmt.Sprintf("prefix = %q", dir)) {
+		t.Errorf("the node configuration (%v) does not set prefix %s:\n%s", err, dir, cfg)
+	}
+	spec, err := os.ReadFile(filepath.Join(host["/host/var/run/cdi"], "mgpu.io-gpu.yaml"))
+	if err != nil || !strings.Contains(string(spec), dir+"/bin/mgpu-hook") || !strings.Contains(string(spec), dir+"/lib/mgpu/libmgpu-shim.so") {
+		t.Errorf("the CDI spec (%v) does not name the installed hook and shim:\n%s", err, spec)
+	}
+	out = ctrRun("uninstall", "uninstall", "--host-root", "/host", "--install-dir", "/opt/mgpu")
+	for _, p := range []string{filepath.Join(host["/host/etc/mgpu"], "config.toml"), filepath.Join(host["/host/var/run/cdi"], "mgpu.io-gpu.yaml"), filepath.Join(host["/host/opt/mgpu"], ents[0].Name())} {
+		if _, err := os.Stat(p); !os.IsNotExist(err) {
+			t.Errorf("node uninstall left %s (%v):\n%s", p, err, out)
 		}
 	}
 }
