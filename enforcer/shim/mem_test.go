@@ -280,7 +280,7 @@ func TestAttachBesideDriverInit(t *testing.T) {
 	e := newEnv(t)
 	s := newServer(t, e.run, 0)
 	saw := make(chan int, 4)
-	s.beforeReply = func(pid int) {
+	hold := func(pid int) {
 		deadline := time.Now().Add(5 * time.Second)
 		for {
 			ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
@@ -291,6 +291,7 @@ func TestAttachBesideDriverInit(t *testing.T) {
 			time.Sleep(200 * time.Microsecond) // polling the process's threads, not waiting for time
 		}
 	}
+	s.beforeReply.Store(&hold)
 	r := e.wl("info")
 	if r.code != 0 {
 		t.Fatalf("info: exit %d\n%s%s", r.code, r.out, r.err)

@@ -47,7 +47,7 @@ type testServer struct {
 	refuse atomic.Pointer[string] // non-nil: answer every attach with NO_INSTANCE and this message
 	// beforeReply, when set, runs before an attach is answered, with the
 	// caller's pid.
-	beforeReply func(pid int)
+	beforeReply atomic.Pointer[func(pid int)]
 	conns       atomic.Int64
 	mu          sync.Mutex                   // slot assignment
 	claims      []string                     // pids that attached, in order; under mu
@@ -168,8 +168,8 @@ func (s *testServer) handle(c *net.UnixConn) {
 		fail(attachNoInstance, *m)
 		return
 	}
-	if s.beforeReply != nil {
-		s.beforeReply(int(cred.Pid))
+	if f := s.beforeReply.Load(); f != nil {
+		(*f)(int(cred.Pid))
 	}
 	slot := s.claim(uint32(cred.Pid)) //nolint:gosec // pids are positive
 	if slot < 0 {
