@@ -115,12 +115,7 @@ func nodeEnforcers(c *cli.Context) error {
 	if _, err := os.Stat(enforcer); err != nil {
 		return fmt.Errorf("the enforcer: %w", err)
 	}
-	b, err := device.Open(cfg)
-	if err != nil {
-		return err
-	}
-	devs, err := b.Devices()
-	_ = b.Close()
+	devs, err := device.List(cfg)
 	if err != nil {
 		return err
 	}

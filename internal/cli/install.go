@@ -117,17 +117,9 @@ func (in *installer) install(cfgName string, cfgData []byte) (string, error) {
 	return dir, nil
 }
 
-// versionDirName is <version>-<digest>, the version's characters other
-// than letters, digits, '.', '_' and '-' turned into '-'.
-func versionDirName(v, digest string) string {
-	b := []byte(v)
-	for i, c := range b {
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') { //nolint:staticcheck // reads as the set it is
-			b[i] = '-'
-		}
-	}
-	return strings.Trim(string(b), ".-") + "-" + digest
-}
+// versionDirName is <version>-<digest>, the version as version.Slug
+// writes it.
+func versionDirName(v, digest string) string { return version.Slug(v) + "-" + digest }
 
 // installedConfig is the node configuration to install: cfgData with its
 // prefix set to dir, after a line saying who wrote it. The text is

@@ -29,6 +29,8 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/layout"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/types"
+
+	"github.com/mgpu-dev/mgpu/internal/version"
 )
 
 // Entry is one path of the image's layer: a regular file copied from Src,
@@ -161,16 +163,11 @@ func tagChar(c rune) bool {
 	return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '.' || c == '-'
 }
 
-// Tag turns a version into a valid tag: every other character becomes '-'
-// (a package version 1.2.3+git4.abc1234 is the tag 1.2.3-git4.abc1234).
-func Tag(version string) string {
-	b := []byte(version)
-	for i, c := range b {
-		if !tagChar(rune(c)) {
-			b[i] = '-'
-		}
-	}
-	t := strings.TrimLeft(string(b), ".-")
+// Tag turns a version into a valid tag (version.Slug, at most 128
+// characters): a package version 1.2.3+git4.abc1234 is the tag
+// 1.2.3-git4.abc1234.
+func Tag(v string) string {
+	t := version.Slug(v)
 	if len(t) > 128 {
 		t = t[:128]
 	}
