@@ -6,7 +6,7 @@ import (
 )
 
 // Names of mgpu's MutatingWebhookConfiguration and of its one webhook
-// (packaging/kubernetes/webhook.yaml).
+// (the chart's, charts/mgpu/templates/webhook-admission.yaml).
 const (
 	ConfigurationName = "mgpu-policy"
 	WebhookName       = "mgpu-policy.vke.volcengine.com"

@@ -591,16 +591,24 @@ func (c *Cluster) UserKubeconfig(t testing.TB, user string, groups ...string) st
 	return path
 }
 
-// ServiceAccountKubeconfig writes a kubeconfig with a token (TokenRequest,
-// valid one hour) of the ServiceAccount ns/name, which must exist, and
-// returns its path.
-func (c *Cluster) ServiceAccountKubeconfig(t testing.TB, ns, name string) string {
+// PodServiceAccountKubeconfig writes a kubeconfig with a token
+// (TokenRequest, valid one hour) of the pod's ServiceAccount, bound to the
+// pod as the kubelet's tokens are: valid while the pod exists, and naming
+// the pod's node (authentication.kubernetes.io/node-name). It returns its
+// path.
+func (c *Cluster) PodServiceAccountKubeconfig(t testing.TB, pod *corev1.Pod) string {
+	t.Helper()
+	return c.serviceAccountKubeconfig(t, pod.Namespace, pod.Spec.ServiceAccountName,
+		&authenticationv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID})
+}
+
+func (c *Cluster) serviceAccountKubeconfig(t testing.TB, ns, name string, bound *authenticationv1.BoundObjectReference) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	exp := int64(3600)
 	tr, err := c.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, name,
-		&authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: &exp}}, metav1.CreateOptions{})
+		&authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: &exp, BoundObjectRef: bound}}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatalf("k8s: token of ServiceAccount %s/%s: %v", ns, name, err)
 	}

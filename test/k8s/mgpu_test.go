@@ -1,7 +1,6 @@
 package k8s
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -17,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -24,7 +24,6 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"sigs.k8s.io/yaml"
 
 	"github.com/mgpu-dev/mgpu/enforcer/api"
 	"github.com/mgpu-dev/mgpu/kube/admission"
@@ -46,7 +45,8 @@ const (
 
 // mgpuNode is a cluster with mgpu installed from the build: two simulated
 // 80 GiB GPUs and their enforcers, the CDI spec, the device plugin (node
-// agent) with the manifest's ServiceAccount, and the admission webhook.
+// agent) with the chart's ServiceAccount or the kubelet's credentials, and
+// the admission webhook.
 type mgpuNode struct {
 	*Cluster
 	n      *e2e.Node
@@ -56,7 +56,8 @@ type mgpuNode struct {
 
 // Credentials of the node agent.
 const (
-	// agentAsServiceAccount: the DaemonSet's ServiceAccount and RBAC.
+	// agentAsServiceAccount: the chart's ServiceAccount, RBAC and node
+	// policy, with a token bound to a pod on the node, as the DaemonSet's.
 	agentAsServiceAccount = iota
 	// agentAsKubelet: the kubelet's own kubeconfig, as the systemd unit uses
 	// (the Node authorizer and NodeRestriction apply).
@@ -172,10 +173,11 @@ func buildBin(name string) (string, error) {
 	return p, nil
 }
 
-// startPlugin runs bin/mgpu-device-plugin on the host with the
-// manifest's ServiceAccount (its RBAC applied) or the kubelet's
-// credentials, then
-// waits for the node's mgpu resources and labels.
+// startPlugin runs bin/mgpu-device-plugin on the host with the chart's
+// ServiceAccount (its RBAC and node policy applied, a token bound to a pod
+// on the node) or the kubelet's credentials, then waits for the node's
+// mgpu resources and labels: under the node policy, the patches the agent
+// makes are let through.
 func (m *mgpuNode) startPlugin(t *testing.T, creds int) {
 	t.Helper()
 	bin, err := buildBin("mgpu-device-plugin")
@@ -184,8 +186,7 @@ func (m *mgpuNode) startPlugin(t *testing.T, creds int) {
 	}
 	kubeconfig := m.NodeKubeconfig()
 	if creds == agentAsServiceAccount {
-		applyRBAC(t, m.Cluster)
-		kubeconfig = m.ServiceAccountKubeconfig(t, "kube-system", "mgpu-node-agent")
+		kubeconfig = m.agentKubeconfig(t, applyNodeChart(t, m.Cluster))
 	}
 	m.log = filepath.Join(m.Dir, "device-plugin.log")
 	logf, err := os.Create(m.log)
@@ -238,47 +239,90 @@ func (m *mgpuNode) waitResources(t *testing.T, within time.Duration) {
 	}
 }
 
-// applyRBAC creates the ServiceAccount, ClusterRole and ClusterRoleBinding
-// of packaging/kubernetes/node-agent.yaml.
-func applyRBAC(t *testing.T, c *Cluster) {
+// applyNodeChart creates the node agent's ServiceAccount, ClusterRole and
+// binding and the ValidatingAdmissionPolicy that scopes its node patches
+// to its own Node, as the chart renders them (package mode: the agent of a
+// node with the package; the test runs the agent itself on the host), and
+// returns the ServiceAccount's name.
+func applyNodeChart(t *testing.T, c *Cluster) string {
 	t.Helper()
-	data, err := os.ReadFile("../../packaging/kubernetes/node-agent.yaml")
+	ctx := context.Background()
+	sa := ""
+	for _, obj := range RenderChart(t, "mgpu", admission.ExcludedNamespace, "--set", "mode=package", "--set", "webhook.enabled=false") {
+		var err error
+		switch o := obj.(type) {
+		case *corev1.ServiceAccount:
+			sa = o.Name
+			_, err = c.Client.CoreV1().ServiceAccounts(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.ClusterRole:
+			_, err = c.Client.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.ClusterRoleBinding:
+			_, err = c.Client.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
+		case *admissionregistrationv1.ValidatingAdmissionPolicy:
+			_, err = c.Client.AdmissionregistrationV1().ValidatingAdmissionPolicies().Create(ctx, o, metav1.CreateOptions{})
+		case *admissionregistrationv1.ValidatingAdmissionPolicyBinding:
+			_, err = c.Client.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Create(ctx, o, metav1.CreateOptions{})
+		default:
+			continue // the DaemonSet and its ConfigMaps: the agent runs on the host
+		}
+		if err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatalf("%T: %v", obj, err)
+		}
+	}
+	if sa == "" {
+		t.Fatal("the chart renders no ServiceAccount for the node agent")
+	}
+	return sa
+}
+
+// agentKubeconfig is a kubeconfig of the agent's ServiceAccount with a
+// token bound to a pod of that ServiceAccount on the node, as the
+// DaemonSet's pod has: the token names the node, which the chart's
+// admission policy requires. Before returning, it waits until that policy
+// is in force: a patch of a label the agent does not own is refused.
+func (m *mgpuNode) agentKubeconfig(t *testing.T, sa string) string {
+	t.Helper()
+	ctx := context.Background()
+	no := false
+	grace := int64(2)
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "mgpu-agent-identity", Namespace: admission.ExcludedNamespace},
+		Spec: corev1.PodSpec{
+			ServiceAccountName:            sa,
+			AutomountServiceAccountToken:  &no,
+			TerminationGracePeriodSeconds: &grace,
+			Containers: []corev1.Container{{Name: "main", Image: WorkloadImage, ImagePullPolicy: corev1.PullNever,
+				Command: []string{"/bin/sh", "-c", idle}}},
+		},
+	}
+	if _, err := m.Client.CoreV1().Pods(pod.Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pod = m.WaitPodPhase(t, pod.Namespace, pod.Name, corev1.PodRunning, 60*time.Second)
+	kubeconfig := m.PodServiceAccountKubeconfig(t, pod)
+	agent := ClientFor(t, kubeconfig)
+	const notOwned = "mgpu.test/not-owned"
+	patch := []byte(`{"metadata":{"labels":{"` + notOwned + `":"1"}}}`)
+	err := harness.WaitFor(30*time.Second, func() error {
+		_, err := agent.CoreV1().Nodes().Patch(ctx, m.NodeName, types.MergePatchType, patch, metav1.PatchOptions{})
+		if err == nil {
+			// The policy is not loaded yet: take the label back.
+			undo := []byte(`{"metadata":{"labels":{"` + notOwned + `":null}}}`)
+			if _, err := m.Client.CoreV1().Nodes().Patch(ctx, m.NodeName, types.MergePatchType, undo, metav1.PatchOptions{}); err != nil {
+				return harness.Permanent(err)
+			}
+			return errors.New("the agent's token may set a label it does not own")
+		}
+		if !strings.Contains(err.Error(), "ValidatingAdmissionPolicy") {
+			return harness.Permanent(fmt.Errorf("the patch was refused, not by the node policy: %w", err))
+		}
+		t.Logf("the chart's node policy refuses the agent a label it does not own: %v", err)
+		return nil
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := context.Background()
-	for _, doc := range bytes.Split(data, []byte("\n---\n")) {
-		var meta struct{ Kind string }
-		if err := yaml.Unmarshal(doc, &meta); err != nil {
-			t.Fatal(err)
-		}
-		switch meta.Kind {
-		case "ServiceAccount":
-			var o corev1.ServiceAccount
-			mustDecode(t, doc, &o)
-			_, err = c.Client.CoreV1().ServiceAccounts(o.Namespace).Create(ctx, &o, metav1.CreateOptions{})
-		case "ClusterRole":
-			var o rbacv1.ClusterRole
-			mustDecode(t, doc, &o)
-			_, err = c.Client.RbacV1().ClusterRoles().Create(ctx, &o, metav1.CreateOptions{})
-		case "ClusterRoleBinding":
-			var o rbacv1.ClusterRoleBinding
-			mustDecode(t, doc, &o)
-			_, err = c.Client.RbacV1().ClusterRoleBindings().Create(ctx, &o, metav1.CreateOptions{})
-		default:
-			continue
-		}
-		if err != nil && !apierrors.IsAlreadyExists(err) {
-			t.Fatalf("%s: %v", meta.Kind, err)
-		}
-	}
-}
-
-func mustDecode(t *testing.T, doc []byte, obj any) {
-	t.Helper()
-	if err := yaml.UnmarshalStrict(doc, obj); err != nil {
-		t.Fatal(err)
-	}
+	return kubeconfig
 }
 
 func tailLines(s string, n int) string {
