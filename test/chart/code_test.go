@@ -2,6 +2,8 @@ package chart_test
 
 import (
 	"bytes"
+	"crypto/tls"
+	"crypto/x509"
 	"maps"
 	"reflect"
 	"regexp"
@@ -11,6 +13,7 @@ import (
 
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"sigs.k8s.io/yaml"
 
@@ -177,5 +180,86 @@ func checkWebhookCode(t *testing.T, m manifest) {
 	if got := admission.Command(append(slices.Clone(c.Command[1:]), "--help"), &stderr, &stderr); got != 0 ||
 		!strings.HasSuffix(c.Command[0], "mgpu-webhook") {
 		t.Errorf("the webhook's command %q: %s", c.Command, stderr.String())
+	}
+}
+
+// TestHostNetwork renders the values of a cluster whose pods cannot reach
+// the kubernetes Service nor be reached by the API server (test/k8s's): the
+// API server's address in the agent and the webhook, both on the host
+// network, the webhook listening where the API server calls it, with a
+// certificate for that address; package mode reads the package's
+// configuration from node.packageConfigDir.
+func TestHostNetwork(t *testing.T) {
+	t.Parallel()
+	m := render(t, "--set", "mode=package", "--set", "kubernetesAPI.host=127.0.0.1", "--set", "kubernetesAPI.port=6443",
+		"--set", "node.hostNetwork=true", "--set", "node.packageConfigDir=/srv/mgpu/etc",
+		"--set", "webhook.hostNetwork=true", "--set", "webhook.listen=127.0.0.1:18443",
+		"--set", "webhook.url=https://127.0.0.1:18443/mutate", "--set", "webhook.tls.ipAddresses={127.0.0.1}")
+	apiEnv := func(what string, c corev1.Container) {
+		t.Helper()
+		host, _ := env(c, "KUBERNETES_SERVICE_HOST")
+		port, _ := env(c, "KUBERNETES_SERVICE_PORT")
+		if host != "127.0.0.1" || port != "6443" {
+			t.Errorf("%s: KUBERNETES_SERVICE_HOST %q, _PORT %q, want 127.0.0.1 and 6443", what, host, port)
+		}
+	}
+	ds := must[*appsv1.DaemonSet](t, m, nodeName)
+	spec := ds.Spec.Template.Spec
+	if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
+		t.Errorf("node pods: hostNetwork %v, dnsPolicy %q", spec.HostNetwork, spec.DNSPolicy)
+	}
+	agent := container(t, spec.Containers, "agent")
+	apiEnv("agent", agent)
+	if hp := hostPathAt(t, spec, agent, "/etc/mgpu"); hp.Path != "/srv/mgpu/etc" {
+		t.Errorf("agent: /etc/mgpu is host path %q, want node.packageConfigDir", hp.Path)
+	}
+
+	dep := must[*appsv1.Deployment](t, m, webhookName)
+	wspec := dep.Spec.Template.Spec
+	if !wspec.HostNetwork || wspec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
+		t.Errorf("webhook pods: hostNetwork %v, dnsPolicy %q", wspec.HostNetwork, wspec.DNSPolicy)
+	}
+	c := container(t, wspec.Containers, "webhook")
+	apiEnv("webhook", c)
+	if !slices.Contains(c.Command, "--listen=127.0.0.1:18443") || len(c.Ports) != 1 || c.Ports[0].ContainerPort != 18443 {
+		t.Errorf("webhook command %q, ports %+v: want it listening on 127.0.0.1:18443", c.Command, c.Ports)
+	}
+	mwc := must[*admissionregistrationv1.MutatingWebhookConfiguration](t, m, admission.ConfigurationName)
+	cc := mwc.Webhooks[0].ClientConfig
+	if cc.Service != nil || cc.URL == nil || *cc.URL != "https://127.0.0.1:18443/mutate" {
+		t.Errorf("client config %+v, want only the URL", cc)
+	}
+	var secret *corev1.Secret
+	for _, o := range m.typed {
+		if s, ok := o.(*corev1.Secret); ok && s.Type == corev1.SecretTypeTLS {
+			secret = s
+		}
+	}
+	if secret == nil {
+		t.Fatal("no TLS Secret rendered")
+	}
+	pair, err := tls.X509KeyPair(secret.Data["tls.crt"], secret.Data["tls.key"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf, err := x509.ParseCertificate(pair.Certificate[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(cc.CABundle)
+	if _, err := leaf.Verify(x509.VerifyOptions{Roots: roots}); err != nil || leaf.VerifyHostname("127.0.0.1") != nil {
+		t.Errorf("the serving certificate (IPs %v) does not verify for 127.0.0.1 against the caBundle: %v", leaf.IPAddresses, err)
+	}
+
+	// The defaults leave all of it out.
+	m = render(t)
+	if spec := must[*appsv1.DaemonSet](t, m, nodeName).Spec.Template.Spec; spec.HostNetwork {
+		t.Error("the node pods are on the host network by default")
+	}
+	for _, c := range must[*appsv1.DaemonSet](t, m, nodeName).Spec.Template.Spec.Containers {
+		if _, ok := env(c, "KUBERNETES_SERVICE_HOST"); ok {
+			t.Errorf("%s sets KUBERNETES_SERVICE_HOST by default", c.Name)
+		}
 	}
 }

@@ -68,6 +68,18 @@ const (
 // agent's credentials.
 func startMGPU(t *testing.T, policy string, creds int) *mgpuNode {
 	t.Helper()
+	m := startNode(t, policy)
+	m.startWebhook(t)
+	m.startPlugin(t, creds)
+	return m
+}
+
+// startNode starts the node side mgpu's package would run (the enforcers
+// of two simulated GPUs running policy, the CDI spec) and a cluster whose
+// containerd reads that spec, with the workload image imported; neither
+// the agent nor the webhook runs yet.
+func startNode(t *testing.T, policy string) *mgpuNode {
+	t.Helper()
 	image := workloadImage(t)
 	// Online/offline co-location is on: pods are online unless they say
 	// otherwise (testOffline).
@@ -94,10 +106,7 @@ func startMGPU(t *testing.T, policy string, creds int) *mgpuNode {
 
 	c := StartCluster(t, Options{CDISpecDirs: []string{e2e.CDISpecDir}})
 	c.ImportImage(t, image)
-	m := &mgpuNode{Cluster: c, n: n}
-	m.startWebhook(t)
-	m.startPlugin(t, creds)
-	return m
+	return &mgpuNode{Cluster: c, n: n}
 }
 
 // startWebhook serves bin/mgpu-webhook on loopback with a certificate of

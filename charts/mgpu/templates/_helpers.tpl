@@ -158,6 +158,24 @@ distributions' driver packages.
 {{- end }}
 {{- end }}
 
+{{- /*
+KUBERNETES_SERVICE_HOST and _PORT for client-go's in-cluster configuration
+when kubernetesAPI.host is set; nothing otherwise.
+*/}}
+{{- define "mgpu.apiEnv" -}}
+{{- with .Values.kubernetesAPI.host -}}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ . | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ $.Values.kubernetesAPI.port | toString | quote }}
+{{- end }}
+{{- end }}
+
+{{- /* The port of webhook.listen (host:port). */}}
+{{- define "mgpu.webhook.port" -}}
+{{- last (splitList ":" .Values.webhook.listen) | int -}}
+{{- end }}
+
 {{- define "mgpu.node.driverMount" -}}
 {{- if .Values.node.driverRoot -}}
 - name: driver-root
