@@ -413,10 +413,10 @@ func matches(selector, labels map[string]string) bool {
 
 var (
 	installCommand = []string{"/usr/bin/mgpu-cli", "--config", "/etc/mgpu-chart/config.toml", "node", "install",
-		"--host-root", "/host", "--install-dir", "/opt/mgpu"}
+		"--host-root", "/host", "--install-dir", "/opt/mgpu", "--config-out", "/etc/mgpu/config.toml"}
 	enforcersCommand = []string{"/usr/bin/mgpu-cli", "--config", "/host/etc/mgpu/config.toml", "node", "enforcers"}
 	uninstallCommand = []string{"/usr/bin/mgpu-cli", "--config", "/host/etc/mgpu/config.toml", "node", "uninstall",
-		"--host-root", "/host", "--install-dir", "/opt/mgpu", "--unless-daemonset", namespace + "/" + nodeName}
+		"--host-root", "/host", "--install-dir", "/opt/mgpu", "--config-out", "/etc/mgpu/config.toml", "--unless-daemonset", namespace + "/" + nodeName}
 	metricsCommand = []string{"/usr/bin/mgpu-cli", "--config", "/host/etc/mgpu/config.toml", "metrics", "serve",
 		"--listen", "0.0.0.0:9407"}
 )

@@ -188,11 +188,11 @@ func checkWebhookCode(t *testing.T, m manifest) {
 // API server's address in the agent and the webhook, both on the host
 // network, the webhook listening where the API server calls it, with a
 // certificate for that address; package mode reads the package's
-// configuration from node.packageConfigDir.
+// configuration from node.configDir.
 func TestHostNetwork(t *testing.T) {
 	t.Parallel()
 	m := render(t, "--set", "mode=package", "--set", "kubernetesAPI.host=127.0.0.1", "--set", "kubernetesAPI.port=6443",
-		"--set", "node.hostNetwork=true", "--set", "node.packageConfigDir=/srv/mgpu/etc",
+		"--set", "node.hostNetwork=true", "--set", "node.configDir=/srv/mgpu/etc",
 		"--set", "webhook.hostNetwork=true", "--set", "webhook.listen=127.0.0.1:18443",
 		"--set", "webhook.url=https://127.0.0.1:18443/mutate", "--set", "webhook.tls.ipAddresses={127.0.0.1}")
 	apiEnv := func(what string, c corev1.Container) {
@@ -211,7 +211,7 @@ func TestHostNetwork(t *testing.T) {
 	agent := container(t, spec.Containers, "agent")
 	apiEnv("agent", agent)
 	if hp := hostPathAt(t, spec, agent, "/etc/mgpu"); hp.Path != "/srv/mgpu/etc" {
-		t.Errorf("agent: /etc/mgpu is host path %q, want node.packageConfigDir", hp.Path)
+		t.Errorf("agent: /etc/mgpu is host path %q, want node.configDir", hp.Path)
 	}
 
 	dep := must[*appsv1.Deployment](t, m, webhookName)
@@ -260,6 +260,39 @@ func TestHostNetwork(t *testing.T) {
 	for _, c := range must[*appsv1.DaemonSet](t, m, nodeName).Spec.Template.Spec.Containers {
 		if _, ok := env(c, "KUBERNETES_SERVICE_HOST"); ok {
 			t.Errorf("%s sets KUBERNETES_SERVICE_HOST by default", c.Name)
+		}
+	}
+}
+
+// TestConfigDir: in image mode node.configDir is where the installer
+// writes the node configuration (and the uninstaller removes it), and
+// where the enforcers and the agent read it.
+func TestConfigDir(t *testing.T) {
+	t.Parallel()
+	m := render(t, "--set", "node.configDir=/srv/mgpu/etc")
+	spec := must[*appsv1.DaemonSet](t, m, nodeName).Spec.Template.Spec
+	install := container(t, spec.InitContainers, "install")
+	agent := container(t, spec.Containers, "agent")
+	enforcers := container(t, spec.Containers, "enforcers")
+	has := func(what string, cmd []string, args ...string) {
+		t.Helper()
+		for i := range cmd {
+			if slices.Equal(cmd[i:min(i+len(args), len(cmd))], args) {
+				return
+			}
+		}
+		t.Errorf("%s %q lacks %q", what, cmd, args)
+	}
+	has("install", install.Command, "--config-out", "/srv/mgpu/etc/config.toml")
+	has("preStop", agent.Lifecycle.PreStop.Exec.Command, "--config-out", "/srv/mgpu/etc/config.toml")
+	has("preStop", agent.Lifecycle.PreStop.Exec.Command, "--config", "/host/srv/mgpu/etc/config.toml")
+	has("enforcers", enforcers.Command, "--config", "/host/srv/mgpu/etc/config.toml")
+	if v, _ := env(agent, "MGPU_CONFIG"); v != "/host/srv/mgpu/etc/config.toml" {
+		t.Errorf("agent MGPU_CONFIG %q", v)
+	}
+	for _, c := range []corev1.Container{install, agent, enforcers} {
+		if hp := hostPathAt(t, spec, c, "/host/srv/mgpu/etc"); hp.Path != "/srv/mgpu/etc" {
+			t.Errorf("%s: /host/srv/mgpu/etc is host path %q", c.Name, hp.Path)
 		}
 	}
 }

@@ -8,7 +8,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -17,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mgpu-dev/mgpu/kube/admission"
+	"github.com/mgpu-dev/mgpu/test/e2e"
 	"github.com/mgpu-dev/mgpu/test/fakecuda"
 	"github.com/mgpu-dev/mgpu/test/harness"
 )
@@ -24,22 +27,31 @@ import (
 // chartNamespace is the namespace TestChartInstall installs the chart in.
 const chartNamespace = "mgpu-system"
 
-// TestChartInstall installs mgpu with Helm from the chart and the image,
-// in package mode: the node side the package would run (the enforcers, the
-// CDI spec, the hook) runs on the host as in TestMGPU, and the chart runs
-// the node agent (DaemonSet) and the webhook (Deployment) from the image
-// imported into the cluster. The cluster has no kube-proxy and its API
-// server cannot reach pod addresses, so the chart's pods are on the host
-// network, talk to the API server at its loopback address
-// (kubernetesAPI), and the API server calls the webhook at its URL with a
-// certificate the chart makes for 127.0.0.1. Then: the seed's Deployment
-// runs with its quota and shares the GPU 30 / 70; helm upgrade with a
-// changed value while it runs replaces the agent's pod and keeps the
-// instance, its quota and its share; helm uninstall leaves no webhook
-// configuration, admission policy, RBAC or object of the release, and
-// pods, with and without mgpu resources, are created normally.
+// TestChartInstall installs mgpu with Helm from the chart and the image
+// imported into the cluster, in both modes. package: the node side the
+// package would run (the enforcers, the CDI spec, the hook) runs on the
+// host as in TestMGPU, and the chart runs the node agent (DaemonSet) and
+// the webhook (Deployment). image: the chart's DaemonSet also installs the
+// hook, the shim, the node configuration and the CDI spec onto the host
+// and runs the enforcers. The cluster has no kube-proxy and its API server
+// cannot reach pod addresses, so the chart's pods are on the host network,
+// talk to the API server at its loopback address (kubernetesAPI), and the
+// API server calls the webhook at its URL with a certificate the chart
+// makes for 127.0.0.1. Then: the seed's Deployment runs with its quota and
+// shares the GPU 30 / 70; helm upgrade with a changed value while a pod
+// runs replaces the agent's pod and keeps the instance, its quota, its
+// share and (image mode) the shim file it maps; helm uninstall leaves no
+// webhook configuration, admission policy, RBAC or object of the release,
+// (image mode) none of the files it installed on the host, and pods, with
+// and without mgpu resources, are created normally.
 func TestChartInstall(t *testing.T) {
-	m := startNode(t, "guaranteed-burst-share")
+	for _, mode := range []string{"package", "image"} {
+		t.Run(mode, func(t *testing.T) { testChartInstall(t, mode) })
+	}
+}
+
+func testChartInstall(t *testing.T, mode string) {
+	m := startNodeWith(t, "guaranteed-burst-share", mode == "package")
 	fakeEnvOf(m)
 	ref := m.importMGPUImage(t)
 	repo, tag, _ := strings.Cut(ref, ":")
@@ -54,21 +66,34 @@ func TestChartInstall(t *testing.T) {
 	listen := net.JoinHostPort("127.0.0.1", fmt.Sprint(ports[0]))
 	values := filepath.Join(m.Dir, "mgpu-values.yaml")
 	mps := filepath.Join(m.Dir, "nvidia-mps")
+	installDir := filepath.Join(m.Dir, "opt-mgpu")
+	configDir := filepath.Dir(m.n.ConfigPath) // package mode: the host side's
+	nodeConfig := fmt.Sprintf("{run_dir: %q}", m.n.RunDir)
+	if mode == "image" {
+		configDir = filepath.Join(m.Dir, "etc-mgpu")
+		gpu := fmt.Sprintf("{name: Simulated-GPU, memory_mib: %d}", gpuMiB)
+		nodeConfig = fmt.Sprintf(`{backend: sim, run_dir: %q, state_dir: %q, cdi_spec_dir: %q,
+    defaults: {compute_policy: guaranteed-burst-share, online_offline_switch: 1}, sim: {gpus: [%s, %s]}}`,
+			m.n.RunDir, m.n.StateDir, e2e.CDISpecDir, gpu, gpu)
+	}
+	specsBefore := cdiSpecs(t)
 	if err := os.WriteFile(values, fmt.Appendf(nil, `image: {repository: %q, tag: %q, pullPolicy: Never}
-mode: package
+mode: %s
 kubernetesAPI: {host: 127.0.0.1, port: %s}
 node:
   hostNetwork: true
-  packageConfigDir: %q
-  config: {run_dir: %q}
+  installDir: %q
+  configDir: %q
+  config: %s
   agent: {nodeInterval: 1s, logLevel: debug, mpsPipeDirectory: %q}
+  metrics: {enabled: false}
 webhook:
   replicas: 1
   hostNetwork: true
   listen: %q
   url: "https://%s/mutate"
   tls: {ipAddresses: [127.0.0.1]}
-`, repo, tag, api.Port(), filepath.Dir(m.n.ConfigPath), m.n.RunDir, mps, listen, listen), 0o600); err != nil {
+`, repo, tag, mode, api.Port(), installDir, configDir, nodeConfig, mps, listen, listen), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	installed := false
@@ -95,6 +120,10 @@ webhook:
 		p30 := m.deploy(t, seedDeployment("upgrade30", "guaranteed-burst-share", 30, 4096, saturate(3600)))
 		p30 = m.running(t, p30.Name, "start")
 		before := m.instanceOf(t, p30)
+		shimBefore := installedShims(t, installDir)
+		if mode == "image" && len(shimBefore) != 1 {
+			t.Fatalf("installed shims %v, want the one build's", shimBefore)
+		}
 		agent := m.agentPod(t)
 		t0 := time.Now()
 		if out, err := m.helm(t, "upgrade", "mgpu", ChartDir, "--namespace", chartNamespace, "--reuse-values",
@@ -104,10 +133,19 @@ webhook:
 		}
 		after := m.agentPod(t)
 		t.Logf("helm upgrade: ready in %v; agent pod %s -> %s", time.Since(t0).Round(time.Millisecond), agent.Name, after.Name)
-		if after.UID == agent.UID || !strings.Contains(strings.Join(after.Spec.Containers[0].Command, " "), "--log-level=info") {
-			t.Errorf("the upgrade did not replace the agent's pod with the new value: %s %q", after.Name, after.Spec.Containers[0].Command)
+		var cmd []string
+		for _, c := range after.Spec.Containers {
+			if c.Name == "agent" {
+				cmd = c.Command
+			}
+		}
+		if after.UID == agent.UID || !slices.Contains(cmd, "--log-level=info") {
+			t.Errorf("the upgrade did not replace the agent's pod with the new value: %s %q", after.Name, cmd)
 		}
 		m.waitResources(t, 60*time.Second)
+		if shimAfter := installedShims(t, installDir); !slices.Equal(shimAfter, shimBefore) {
+			t.Errorf("installed shims %v after the upgrade, %v before", shimAfter, shimBefore)
+		}
 		if in := m.instanceOf(t, p30); in.Name != before.Name || in.Core != before.Core || in.MemoryMiB != before.MemoryMiB {
 			t.Errorf("instance %+v after the upgrade, %+v before", in, before)
 		}
@@ -174,6 +212,17 @@ webhook:
 			t.Error(err)
 		}
 		t.Logf("helm uninstall: the release's pods gone after %v", time.Since(t0).Round(time.Millisecond))
+		// What the installer put on the host is gone (image mode; in
+		// package mode the chart put nothing there).
+		if shims := installedShims(t, installDir); len(shims) != 0 {
+			t.Errorf("installed builds left: %v", shims)
+		}
+		if _, err := os.Stat(filepath.Join(configDir, "config.toml")); mode == "image" && !os.IsNotExist(err) {
+			t.Errorf("the node configuration is left: %v", err)
+		}
+		if after := cdiSpecs(t); !slices.Equal(after, specsBefore) {
+			t.Errorf("CDI specs %v after uninstall, %v before install", after, specsBefore)
+		}
 		// Pods are created normally: one without mgpu resources runs, one
 		// with them is admitted (no webhook refuses or changes it).
 		plain := workloadPod("after-uninstall", "", 0, 0, idle)
@@ -196,6 +245,40 @@ webhook:
 			}
 		}
 	})
+}
+
+// installedShims lists the shims installed under dir (one per build
+// directory), each with its inode and modification time.
+func installedShims(t *testing.T, dir string) []string {
+	t.Helper()
+	paths, err := filepath.Glob(filepath.Join(dir, "*", "lib", "mgpu", "libmgpu-shim.so"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, p := range paths {
+		fi, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, _ := fi.Sys().(*syscall.Stat_t)
+		out = append(out, fmt.Sprintf("%s (inode %d, %s)", p, st.Ino, fi.ModTime().Format(time.RFC3339Nano)))
+	}
+	return out
+}
+
+// cdiSpecs lists the CDI spec directory the cluster's containerd reads.
+func cdiSpecs(t *testing.T) []string {
+	t.Helper()
+	ents, err := os.ReadDir(e2e.CDISpecDir)
+	if err != nil && !os.IsNotExist(err) {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	return names
 }
 
 func within(got, want float64) bool { return got >= want-epsilon && got <= want+epsilon }

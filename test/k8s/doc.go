@@ -29,6 +29,10 @@
 // (ctr -n k8s.io images import); pods use imagePullPolicy Never or
 // IfNotPresent.
 //
+// RenderChart renders charts/mgpu with helm ($CACHE_DIR/bin/helm, which
+// make deps installs, else helm on PATH); TestChartInstall installs it on
+// the cluster with helm, the mgpu image built from the build and imported.
+//
 // Clusters of concurrent test binaries take turns (/run/mgpu-k8s.lock).
 // Teardown (t.Cleanup, also after a failure or panic) deletes the pods,
 // stops everything, kills what containers are left, unmounts, removes the

@@ -80,6 +80,15 @@ func startMGPU(t *testing.T, policy string, creds int) *mgpuNode {
 // the agent nor the webhook runs yet.
 func startNode(t *testing.T, policy string) *mgpuNode {
 	t.Helper()
+	return startNodeWith(t, policy, true)
+}
+
+// startNodeWith is startNode; without hostSide, the node has the simulated
+// GPUs (their state, the workloads' fixtures) but runs no enforcer and has
+// no CDI spec: something else (the chart in image mode) installs them with
+// the node's configuration.
+func startNodeWith(t *testing.T, policy string, hostSide bool) *mgpuNode {
+	t.Helper()
 	image := workloadImage(t)
 	// Online/offline co-location is on: pods are online unless they say
 	// otherwise (testOffline).
@@ -92,17 +101,19 @@ func startNode(t *testing.T, policy string) *mgpuNode {
 			t.Errorf("mgpu node: %v", err)
 		}
 	})
-	for dev := range 2 {
-		if err := n.StartEnforcer(dev); err != nil {
-			t.Fatal(err)
+	if hostSide {
+		for dev := range 2 {
+			if err := n.StartEnforcer(dev); err != nil {
+				t.Fatal(err)
+			}
 		}
+		// The CDI spec of the node's kind (cdi_kind, which Allocate names).
+		spec := filepath.Join(e2e.CDISpecDir, fmt.Sprintf("mgpu-k8s-%d.yaml", os.Getpid()))
+		if out, err := exec.Command(n.CLI, "--config", n.ConfigPath, "cdi", "generate", "--output", spec).CombinedOutput(); err != nil { //nolint:gosec // the build's CLI
+			t.Fatalf("mgpu-cli cdi generate: %v\n%s", err, out)
+		}
+		t.Cleanup(func() { _ = os.Remove(spec) })
 	}
-	// The CDI spec of the node's kind (cdi_kind, which Allocate names).
-	spec := filepath.Join(e2e.CDISpecDir, fmt.Sprintf("mgpu-k8s-%d.yaml", os.Getpid()))
-	if out, err := exec.Command(n.CLI, "--config", n.ConfigPath, "cdi", "generate", "--output", spec).CombinedOutput(); err != nil { //nolint:gosec // the build's CLI
-		t.Fatalf("mgpu-cli cdi generate: %v\n%s", err, out)
-	}
-	t.Cleanup(func() { _ = os.Remove(spec) })
 
 	c := StartCluster(t, Options{CDISpecDirs: []string{e2e.CDISpecDir}})
 	c.ImportImage(t, image)

@@ -87,7 +87,7 @@ monitoring.coreos.com/v1 ServiceMonitor.
 {{- define "mgpu.node.chartConfig" -}}/etc/mgpu-chart/config.toml{{- end }}
 
 {{/* The node config the installer writes on the host, as the pods see it. */}}
-{{- define "mgpu.node.hostConfig" -}}/host/etc/mgpu/config.toml{{- end }}
+{{- define "mgpu.node.hostConfig" -}}{{ printf "/host%s/config.toml" .Values.node.configDir }}{{- end }}
 
 {{/*
 The node config as TOML (docs/config.md). Strings and numbers are written
@@ -96,7 +96,7 @@ with toJson: a JSON string or number is a TOML one.
 {{- define "mgpu.node.configToml" -}}
 {{- $c := .Values.node.config -}}
 # mgpu node configuration, from the values of Helm release {{ .Release.Namespace }}/{{ .Release.Name }}.
-# The installer writes it to the host's /etc/mgpu/config.toml with prefix
+# The installer writes it to the host's {{ .Values.node.configDir }}/config.toml with prefix
 # set to its versioned directory. Every key: docs/config.md.
 version = 1
 backend = {{ $c.backend | toJson }}
@@ -196,7 +196,7 @@ the same.
   mountPath: /etc/mgpu-chart
   readOnly: true
 - name: host-etc-mgpu
-  mountPath: /host/etc/mgpu
+  mountPath: {{ printf "/host%s" .Values.node.configDir }}
 - name: install-dir
   mountPath: {{ printf "/host%s" .Values.node.installDir }}
 - name: cdi
