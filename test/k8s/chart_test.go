@@ -291,6 +291,11 @@ func (m *mgpuNode) importMGPUImage(t *testing.T) string {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if e2e.InstalledFromEnv() != "" {
+		// MGPU_BUILD holds only the test fixtures then: the image (the
+		// agent and the webhook) is the repository's build's.
+		build = filepath.Join("..", "..", "build")
+	}
 	const repo, version = "mgpu.test/mgpu", "0.0.0-k8s"
 	out := filepath.Join(t.TempDir(), "mgpu-image.tar")
 	cmd := exec.Command("go", "run", "../../packaging/image", "-build", build, //nolint:gosec // the repository's tool

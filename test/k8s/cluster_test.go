@@ -25,6 +25,9 @@ func workloadImage(t *testing.T) string {
 		t.Skipf("k8s: %v", err)
 	}
 	shim := filepath.Join(build, "lib", "libmgpu-shim.so")
+	if p := e2e.InstalledFromEnv(); p != "" {
+		shim = filepath.Join(p, "lib", "mgpu", "libmgpu-shim.so") // the build holds only the fixtures
+	}
 	if _, err := os.Stat(filepath.Join(build, "bin", "mgpu-workload")); err != nil {
 		t.Skipf("k8s: no workload in %s: run make build", build)
 	}

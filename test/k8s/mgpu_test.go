@@ -92,7 +92,10 @@ func startNodeWith(t *testing.T, policy string, hostSide bool) *mgpuNode {
 	image := workloadImage(t)
 	// Online/offline co-location is on: pods are online unless they say
 	// otherwise (testOffline).
-	n, err := e2e.NewNode(e2e.NodeOptions{Devices: 2, MemoryMiB: gpuMiB, Policies: map[int]string{0: policy, 1: policy}, OnlineOffline: 1})
+	// With MGPU_E2E_INSTALLED (test/packaging's TestChartFromPackage), the
+	// enforcers, the CLI, the hook and the shim are an installed package's.
+	n, err := e2e.NewNode(e2e.NodeOptions{Devices: 2, MemoryMiB: gpuMiB, Policies: map[int]string{0: policy, 1: policy}, OnlineOffline: 1,
+		Installed: e2e.InstalledFromEnv()})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,7 +1,8 @@
 // Package packaging_test checks `make package` and the packages it builds:
 // their file lists, the systemd units, and, as root on Debian, a real
 // dpkg install, removal, reinstall and an upgrade under a running enforcer,
-// and the container suite (test/e2e) run on the installed package.
+// and the container suite (test/e2e) and the Helm chart in package mode
+// (test/k8s's TestChartInstall/package) run on the installed package.
 //
 // The install tests install onto this machine rather than into a
 // debootstrap chroot: a chroot costs minutes and a few hundred MiB per run,
@@ -862,6 +863,66 @@ func TestContainerE2EFromPackage(t *testing.T) {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("test/e2e on the installed package: no %q (skipped?)", strings.TrimPrefix(want, "--- PASS: "))
 		}
+	}
+}
+
+// TestChartFromPackage installs the .deb and runs test/k8s's
+// TestChartInstall/package on it: a node with the package (its enforcers,
+// CLI, hook and shim, under /usr) and the Helm chart in package mode,
+// which runs the node agent and the webhook from the image on the
+// cluster; the seed's Deployment, helm upgrade and helm uninstall as there.
+// The build directory the cluster's node sees holds only the test fixtures.
+func TestChartFromPackage(t *testing.T) {
+	needRoot(t)
+	needTools(t, "dpkg", "dpkg-query", "go")
+	machineFree(t)
+	root := repoRoot(t)
+	fixtures := filepath.Join(t.TempDir(), "build")
+	for _, f := range []string{"bin/fakecuda-ctl", "bin/mgpu-workload", "fakecuda/libcuda.so.1", "fakecuda/libnvidia-ml.so.1"} {
+		data, err := os.ReadFile(filepath.Join(root, "build", f))
+		if err != nil {
+			t.Skipf("the test fixtures are not built (make build): %v", err)
+		}
+		if err := os.MkdirAll(filepath.Dir(filepath.Join(fixtures, f)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(fixtures, f), data, 0o755); err != nil { //nolint:gosec // executables and libraries
+			t.Fatal(err)
+		}
+	}
+	dist := packages(t)
+	t.Cleanup(func() {
+		if out, err := exec.Command("dpkg", "--purge", "mgpu").CombinedOutput(); err != nil {
+			t.Errorf("cleanup: dpkg --purge mgpu: %v\n%s", err, out)
+		}
+		for _, p := range packagePaths {
+			if exists(p) {
+				t.Errorf("cleanup: %s is left after the purge", p)
+			}
+		}
+	})
+	run(t, "dpkg", "-i", debFile(dist, v2))
+	cmd := exec.Command("go", "test", "-count=1", "-v", "-timeout", "20m", "-run", "^TestChartInstall$/^package$", "./test/k8s")
+	cmd.Dir = root
+	cmd.Env = append(os.Environ(), "MGPU_E2E_INSTALLED=/usr", "MGPU_BUILD="+fixtures)
+	out, err := cmd.CombinedOutput()
+	var summary []string
+	for _, l := range strings.Split(string(out), "\n") {
+		l = strings.TrimSpace(l)
+		if strings.HasPrefix(l, "--- ") || strings.HasPrefix(l, "ok ") || strings.HasPrefix(l, "FAIL") || strings.Contains(l, "chart_test.go") ||
+			strings.Contains(l, "both busy") || strings.Contains(l, "beside an idle") {
+			summary = append(summary, l)
+		}
+	}
+	t.Logf("test/k8s TestChartInstall/package on the installed package (MGPU_E2E_INSTALLED=/usr):\n%s", strings.Join(summary, "\n"))
+	if err != nil {
+		t.Fatalf("test/k8s on the installed package: %v\n%s", err, out)
+	}
+	if strings.Contains(string(out), "--- SKIP: TestChartInstall") {
+		t.Skip("test/k8s skipped TestChartInstall (no cluster binaries: make deps)")
+	}
+	if !strings.Contains(string(out), "--- PASS: TestChartInstall/package") {
+		t.Errorf("test/k8s on the installed package: no TestChartInstall/package")
 	}
 }
 
