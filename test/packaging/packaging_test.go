@@ -820,31 +820,7 @@ func TestContainerE2EFromPackage(t *testing.T) {
 	needTools(t, "dpkg", "dpkg-query", "go")
 	machineFree(t)
 	root := repoRoot(t)
-	fixtures := filepath.Join(t.TempDir(), "build")
-	for _, f := range []string{"bin/fakecuda-ctl", "bin/mgpu-workload", "fakecuda/libcuda.so.1", "fakecuda/libnvidia-ml.so.1"} {
-		data, err := os.ReadFile(filepath.Join(root, "build", f))
-		if err != nil {
-			t.Skipf("the test fixtures are not built (make build): %v", err)
-		}
-		if err := os.MkdirAll(filepath.Dir(filepath.Join(fixtures, f)), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(filepath.Join(fixtures, f), data, 0o755); err != nil { //nolint:gosec // executables and libraries
-			t.Fatal(err)
-		}
-	}
-	dist := packages(t)
-	t.Cleanup(func() {
-		if out, err := exec.Command("dpkg", "--purge", "mgpu").CombinedOutput(); err != nil {
-			t.Errorf("cleanup: dpkg --purge mgpu: %v\n%s", err, out)
-		}
-		for _, p := range packagePaths {
-			if exists(p) {
-				t.Errorf("cleanup: %s is left after the purge", p)
-			}
-		}
-	})
-	run(t, "dpkg", "-i", debFile(dist, v2))
+	fixtures := installWithFixtures(t, root)
 	cmd := exec.Command("go", "test", "-count=1", "-p", "1", "-v", "-timeout", "20m", "./test/e2e")
 	cmd.Dir = root
 	cmd.Env = append(os.Environ(), "MGPU_E2E_INSTALLED=/usr", "MGPU_BUILD="+fixtures)
@@ -877,6 +853,38 @@ func TestChartFromPackage(t *testing.T) {
 	needTools(t, "dpkg", "dpkg-query", "go")
 	machineFree(t)
 	root := repoRoot(t)
+	fixtures := installWithFixtures(t, root)
+	cmd := exec.Command("go", "test", "-count=1", "-v", "-timeout", "20m", "-run", "^TestChartInstall$/^package$", "./test/k8s")
+	cmd.Dir = root
+	cmd.Env = append(os.Environ(), "MGPU_E2E_INSTALLED=/usr", "MGPU_BUILD="+fixtures)
+	out, err := cmd.CombinedOutput()
+	var summary []string
+	for _, l := range strings.Split(string(out), "\n") {
+		l = strings.TrimSpace(l)
+		if strings.HasPrefix(l, "--- ") || strings.HasPrefix(l, "ok ") || strings.HasPrefix(l, "FAIL") || strings.Contains(l, "chart_test.go") ||
+			strings.Contains(l, "both busy") || strings.Contains(l, "beside an idle") {
+			summary = append(summary, l)
+		}
+	}
+	t.Logf("test/k8s TestChartInstall/package on the installed package (MGPU_E2E_INSTALLED=/usr):\n%s", strings.Join(summary, "\n"))
+	if err != nil {
+		t.Fatalf("test/k8s on the installed package: %v\n%s", err, out)
+	}
+	if strings.Contains(string(out), "--- SKIP: TestChartInstall") {
+		t.Skip("test/k8s skipped TestChartInstall (no cluster binaries: make deps)")
+	}
+	if !strings.Contains(string(out), "--- PASS: TestChartInstall/package") {
+		t.Errorf("test/k8s on the installed package: no TestChartInstall/package")
+	}
+}
+
+// installWithFixtures installs the v2 .deb on this machine (purged when
+// the test ends) and returns a build directory holding only the test
+// fixtures (the simulated driver, fakecuda-ctl, mgpu-workload), for the
+// suites that run on the installed package (MGPU_BUILD), so that nothing
+// of mgpu can come from the build tree.
+func installWithFixtures(t *testing.T, root string) string {
+	t.Helper()
 	fixtures := filepath.Join(t.TempDir(), "build")
 	for _, f := range []string{"bin/fakecuda-ctl", "bin/mgpu-workload", "fakecuda/libcuda.so.1", "fakecuda/libnvidia-ml.so.1"} {
 		data, err := os.ReadFile(filepath.Join(root, "build", f))
@@ -902,28 +910,7 @@ func TestChartFromPackage(t *testing.T) {
 		}
 	})
 	run(t, "dpkg", "-i", debFile(dist, v2))
-	cmd := exec.Command("go", "test", "-count=1", "-v", "-timeout", "20m", "-run", "^TestChartInstall$/^package$", "./test/k8s")
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "MGPU_E2E_INSTALLED=/usr", "MGPU_BUILD="+fixtures)
-	out, err := cmd.CombinedOutput()
-	var summary []string
-	for _, l := range strings.Split(string(out), "\n") {
-		l = strings.TrimSpace(l)
-		if strings.HasPrefix(l, "--- ") || strings.HasPrefix(l, "ok ") || strings.HasPrefix(l, "FAIL") || strings.Contains(l, "chart_test.go") ||
-			strings.Contains(l, "both busy") || strings.Contains(l, "beside an idle") {
-			summary = append(summary, l)
-		}
-	}
-	t.Logf("test/k8s TestChartInstall/package on the installed package (MGPU_E2E_INSTALLED=/usr):\n%s", strings.Join(summary, "\n"))
-	if err != nil {
-		t.Fatalf("test/k8s on the installed package: %v\n%s", err, out)
-	}
-	if strings.Contains(string(out), "--- SKIP: TestChartInstall") {
-		t.Skip("test/k8s skipped TestChartInstall (no cluster binaries: make deps)")
-	}
-	if !strings.Contains(string(out), "--- PASS: TestChartInstall/package") {
-		t.Errorf("test/k8s on the installed package: no TestChartInstall/package")
-	}
+	return fixtures
 }
 
 func must[T any](v T, err error) T {
