@@ -203,11 +203,15 @@ func TestHostNetwork(t *testing.T) {
 			t.Errorf("%s: KUBERNETES_SERVICE_HOST %q, _PORT %q, want 127.0.0.1 and 6443", what, host, port)
 		}
 	}
+	hostNet := func(what string, spec corev1.PodSpec) {
+		t.Helper()
+		if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
+			t.Errorf("%s: hostNetwork %v, dnsPolicy %q", what, spec.HostNetwork, spec.DNSPolicy)
+		}
+	}
 	ds := must[*appsv1.DaemonSet](t, m, nodeName)
 	spec := ds.Spec.Template.Spec
-	if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
-		t.Errorf("node pods: hostNetwork %v, dnsPolicy %q", spec.HostNetwork, spec.DNSPolicy)
-	}
+	hostNet("node pods", spec)
 	agent := container(t, spec.Containers, "agent")
 	apiEnv("agent", agent)
 	if hp := hostPathAt(t, spec, agent, "/etc/mgpu"); hp.Path != "/srv/mgpu/etc" {
@@ -216,9 +220,7 @@ func TestHostNetwork(t *testing.T) {
 
 	dep := must[*appsv1.Deployment](t, m, webhookName)
 	wspec := dep.Spec.Template.Spec
-	if !wspec.HostNetwork || wspec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
-		t.Errorf("webhook pods: hostNetwork %v, dnsPolicy %q", wspec.HostNetwork, wspec.DNSPolicy)
-	}
+	hostNet("webhook pods", wspec)
 	c := container(t, wspec.Containers, "webhook")
 	apiEnv("webhook", c)
 	if !slices.Contains(c.Command, "--listen=127.0.0.1:18443") || len(c.Ports) != 1 || c.Ports[0].ContainerPort != 18443 {

@@ -821,17 +821,7 @@ func TestContainerE2EFromPackage(t *testing.T) {
 	machineFree(t)
 	root := repoRoot(t)
 	fixtures := installWithFixtures(t, root)
-	cmd := exec.Command("go", "test", "-count=1", "-p", "1", "-v", "-timeout", "20m", "./test/e2e")
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "MGPU_E2E_INSTALLED=/usr", "MGPU_BUILD="+fixtures)
-	out, err := cmd.CombinedOutput()
-	var summary []string
-	for _, l := range strings.Split(string(out), "\n") {
-		if strings.HasPrefix(l, "--- ") || strings.HasPrefix(l, "ok ") || strings.HasPrefix(l, "FAIL") {
-			summary = append(summary, l)
-		}
-	}
-	t.Logf("test/e2e on the installed package (MGPU_E2E_INSTALLED=/usr):\n%s", strings.Join(summary, "\n"))
+	out, err := goTestOnPackage(t, root, fixtures, "test/e2e", nil, "-p", "1", "./test/e2e")
 	if err != nil {
 		t.Fatalf("test/e2e on the installed package: %v\n%s", err, out)
 	}
@@ -854,19 +844,9 @@ func TestChartFromPackage(t *testing.T) {
 	machineFree(t)
 	root := repoRoot(t)
 	fixtures := installWithFixtures(t, root)
-	cmd := exec.Command("go", "test", "-count=1", "-v", "-timeout", "20m", "-run", "^TestChartInstall$/^package$", "./test/k8s")
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "MGPU_E2E_INSTALLED=/usr", "MGPU_BUILD="+fixtures)
-	out, err := cmd.CombinedOutput()
-	var summary []string
-	for _, l := range strings.Split(string(out), "\n") {
-		l = strings.TrimSpace(l)
-		if strings.HasPrefix(l, "--- ") || strings.HasPrefix(l, "ok ") || strings.HasPrefix(l, "FAIL") || strings.Contains(l, "chart_test.go") ||
-			strings.Contains(l, "both busy") || strings.Contains(l, "beside an idle") {
-			summary = append(summary, l)
-		}
-	}
-	t.Logf("test/k8s TestChartInstall/package on the installed package (MGPU_E2E_INSTALLED=/usr):\n%s", strings.Join(summary, "\n"))
+	out, err := goTestOnPackage(t, root, fixtures, "test/k8s TestChartInstall/package", func(l string) bool {
+		return strings.Contains(l, "chart_test.go") || strings.Contains(l, "both busy") || strings.Contains(l, "beside an idle")
+	}, "-run", "^TestChartInstall$/^package$", "./test/k8s")
 	if err != nil {
 		t.Fatalf("test/k8s on the installed package: %v\n%s", err, out)
 	}
@@ -876,6 +856,27 @@ func TestChartFromPackage(t *testing.T) {
 	if !strings.Contains(string(out), "--- PASS: TestChartInstall/package") {
 		t.Errorf("test/k8s on the installed package: no TestChartInstall/package")
 	}
+}
+
+// goTestOnPackage runs `go test -count=1 -v -timeout 20m args...` in the
+// repository on the installed package (MGPU_E2E_INSTALLED=/usr, MGPU_BUILD
+// the fixtures), logs its results (and the lines keep selects) under what,
+// and returns its output.
+func goTestOnPackage(t *testing.T, root, fixtures, what string, keep func(line string) bool, args ...string) ([]byte, error) {
+	t.Helper()
+	cmd := exec.Command("go", append([]string{"test", "-count=1", "-v", "-timeout", "20m"}, args...)...) //nolint:gosec // the repository's tests
+	cmd.Dir = root
+	cmd.Env = append(os.Environ(), "MGPU_E2E_INSTALLED=/usr", "MGPU_BUILD="+fixtures)
+	out, err := cmd.CombinedOutput()
+	var summary []string
+	for _, l := range strings.Split(string(out), "\n") {
+		l = strings.TrimSpace(l)
+		if strings.HasPrefix(l, "--- ") || strings.HasPrefix(l, "ok ") || strings.HasPrefix(l, "FAIL") || (keep != nil && keep(l)) {
+			summary = append(summary, l)
+		}
+	}
+	t.Logf("%s on the installed package (MGPU_E2E_INSTALLED=/usr):\n%s", what, strings.Join(summary, "\n"))
+	return out, err
 }
 
 // installWithFixtures installs the v2 .deb on this machine (purged when
