@@ -588,10 +588,11 @@ func (e *Enforcer) callerInfo(c *attachConn) (resp attach.Response, info peerInf
 	return resp, c.info, true
 }
 
-// attach maps a peer to its instance and gives it a slot. On success it
-// returns the descriptors the reply carries (region.TenantFDs; the caller
-// closes them), opened under the lock, so that a concurrent release cannot
-// make the reply carry another instance's files.
+// attach maps a peer to its instance and gives it a slot, which takes the
+// caller's pidfd to watch its exit. On success it returns the descriptors
+// the reply carries (region.TenantFDs; the caller closes them), opened
+// under the lock, so that a concurrent release cannot make the reply carry
+// another instance's files.
 func (e *Enforcer) attach(c *attachConn) (attach.Response, []int, *instance, int) {
 	pid, pidfd := c.pid, c.pidfd
 	resp, info, ok := e.callerInfo(c)
@@ -610,6 +611,9 @@ func (e *Enforcer) attach(c *attachConn) (attach.Response, []int, *instance, int
 		resp.Status = attach.Internal
 		resp.Message = "mgpu: the instance's region was truncated by one of its processes; the instance is released"
 		return resp, nil, nil, 0
+	}
+	if fds != nil {
+		c.pidfd = -1 // the slot's now
 	}
 	return resp, fds, in, slot
 }
@@ -653,21 +657,12 @@ func (e *Enforcer) attachLocked(resp attach.Response, pid, pidfd int, info peerI
 		resp.Message = "mgpu: " + err.Error()
 		return resp, nil, nil, 0
 	}
-	wfd, err := unix.FcntlInt(uintptr(pidfd), unix.F_DUPFD_CLOEXEC, 0) //nolint:gosec // a valid fd
-	if err != nil {
-		closeFDs(fds)
-		resp.Status = attach.Internal
-		resp.Message = "mgpu: " + err.Error()
-		return resp, nil, nil, 0
-	}
 	in.reg.Proc(slot).Claim(uint32(pid), info.startTime) //nolint:gosec // pids fit
 	in.sane[slot] = sane{}
 	in.setUsed(slot)
-	in.slotFD[slot] = wfd
-	e.watches[wfd] = watchRef{in: in, slot: slot}
-	if err := e.w.add(wfd); err != nil {
-		e.o.log.Warn("watch process", "pid", pid, "err", err)
-	}
+	// The caller's pidfd is the slot's from here (last: a fault above
+	// leaves it the caller's to close).
+	in.slotFD[slot] = e.watchLocked(pidfd, watchRef{in: in, slot: slot})
 	e.o.log.Debug("attached", "instance", in.name, "slot", slot, "pid", pid)
 	resp.Status = attach.OK
 	resp.Slot = uint32(slot) //nolint:gosec // < MaxProcs

@@ -72,7 +72,8 @@ type instance struct {
 // watchRef says what a watched pidfd stands for.
 type watchRef struct {
 	in   *instance
-	slot int // -1: the instance's root process
+	slot int   // -1: the instance's root process
+	seq  int32 // the watcher's registration number
 }
 
 func newInstance() *instance {
@@ -398,12 +399,8 @@ func (e *Enforcer) admitLocked(req api.CreateRequest, id identity, pfd int) (*in
 	}
 	reg.L().EnforcerEpoch.Store(e.epoch)
 	in.reg = reg
-	in.rootFD = pfd
 	e.insertLocked(in)
-	e.watches[pfd] = watchRef{in: in, slot: -1}
-	if err := e.w.add(pfd); err != nil {
-		e.o.log.Warn("watch process", "pid", in.pid, "err", err)
-	}
+	in.rootFD = e.watchLocked(pfd, watchRef{in: in, slot: -1})
 	return in, false, nil
 }
 
@@ -522,14 +519,15 @@ func (e *Enforcer) releaseLocked(in *instance, why string) {
 	e.arb.Remove(in.id)
 	delete(e.usage, in.id)
 	if in.rootFD >= 0 {
-		delete(e.watches, in.rootFD)
+		e.unwatchLocked(in.rootFD)
+		in.rootFD = -1
 	}
-	for _, fd := range in.slotFD {
+	for i, fd := range in.slotFD {
 		if fd >= 0 {
-			delete(e.watches, fd)
+			e.unwatchLocked(fd)
+			in.slotFD[i] = -1
 		}
 	}
-	in.closeFDs()
 	e.closeWakeLocked(in)
 	e.guard(func() { in.reg.SetGrant(0) })
 	_ = in.reg.Close()

@@ -119,11 +119,7 @@ func (e *Enforcer) adopt(si stateInstance, sameBoot bool) error {
 	}
 	if rootAlive {
 		if fd, err := e.pidfd(in.pid, in.startTime); err == nil {
-			in.rootFD = fd
-			e.watches[fd] = watchRef{in: in, slot: -1}
-			if err := e.w.add(fd); err != nil {
-				e.o.log.Warn("watch process", "pid", in.pid, "err", err)
-			}
+			in.rootFD = e.watchLocked(fd, watchRef{in: in, slot: -1})
 		} else {
 			rootAlive = false
 		}
@@ -206,11 +202,7 @@ func (e *Enforcer) adoptSlots(in *instance, sameBoot bool) bool {
 		fd := live[i]
 		in.setUsed(i)
 		in.sane[i] = sane{trusted: true} // its counters so far, as they are
-		in.slotFD[i] = fd
-		e.watches[fd] = watchRef{in: in, slot: i}
-		if err := e.w.add(fd); err != nil {
-			e.o.log.Warn("watch process", "pid", reg.Proc(i).PID.Load(), "err", err)
-		}
+		in.slotFD[i] = e.watchLocked(fd, watchRef{in: in, slot: i})
 	}
 	// The region's bitmap may still show slots just reaped (or none, in a
 	// region of the layout before it).

@@ -25,6 +25,11 @@ type watcher struct {
 	ep, ev int
 	f      *os.File        // ep, on the runtime's poller
 	rc     syscall.RawConn // f's
+	// seq numbers registrations: an event carries its registration's
+	// number beside the descriptor's, and counts only while that
+	// descriptor is still registered under it (watchRef.seq), never for a
+	// later registration that reuses the number.
+	seq int32
 }
 
 func newWatcher() (*watcher, error) {
@@ -48,7 +53,7 @@ func newWatcher() (*watcher, error) {
 		return nil, fmt.Errorf("eventfd: %w", err)
 	}
 	w := &watcher{ep: ep, ev: ev, f: f, rc: rc}
-	if err := w.add(ev); err != nil {
+	if _, err := w.add(ev); err != nil {
 		w.close()
 		return nil, err
 	}
@@ -79,12 +84,22 @@ func (w *watcher) wait(events []unix.EpollEvent, deadline time.Time) (int, error
 	return n, werr
 }
 
-func (w *watcher) add(fd int) error {
-	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)} //nolint:gosec // fds fit in int32
+// add watches fd and returns the registration's number (add is called
+// under the enforcer's lock, as remove is).
+func (w *watcher) add(fd int) (int32, error) {
+	w.seq++
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd), Pad: w.seq} //nolint:gosec // fds fit in int32
 	if err := unix.EpollCtl(w.ep, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
-		return fmt.Errorf("epoll_ctl: %w", err)
+		return 0, fmt.Errorf("epoll_ctl: %w", err)
 	}
-	return nil
+	return w.seq, nil
+}
+
+// remove stops watching fd, which the caller closes next. Closing alone is
+// not enough: epoll keeps a registration while any descriptor of the same
+// open file lives, and would go on reporting the closed number.
+func (w *watcher) remove(fd int) {
+	_ = unix.EpollCtl(w.ep, unix.EPOLL_CTL_DEL, fd, nil)
 }
 
 // stop wakes a pending wait so that watch returns.
@@ -110,7 +125,7 @@ const reapSaveDelay = time.Second
 // every o.sweep for what no pidfd watches.
 func (e *Enforcer) watch(ctx context.Context) {
 	events := make([]unix.EpollEvent, 64)
-	exited := make([]int, 0, 64)
+	exited := make([]watchEvent, 0, 64)
 	nextSweep := time.Now().Add(e.o.sweep)
 	var pending time.Time // when reaped totals not yet written were first reaped
 	for ctx.Err() == nil {
@@ -128,14 +143,14 @@ func (e *Enforcer) watch(ctx context.Context) {
 			if int(ev.Fd) == e.w.ev {
 				return
 			}
-			exited = append(exited, int(ev.Fd))
+			exited = append(exited, watchEvent{fd: int(ev.Fd), seq: ev.Pad})
 		}
 		reaped, saveNow := false, false
 		if len(exited) > 0 {
 			e.mu.Lock()
-			for _, fd := range exited {
+			for _, ev := range exited {
 				if e.guard(func() {
-					handled, released := e.exitedLocked(fd)
+					handled, released := e.exitedLocked(ev)
 					reaped = reaped || handled
 					saveNow = saveNow || released
 				}) {
@@ -163,6 +178,30 @@ func (e *Enforcer) watch(ctx context.Context) {
 	}
 }
 
+// watchLocked watches pidfd, which stands for ref (an instance's root
+// process or one of its slots' processes), and owns it from now on. It
+// returns the descriptor to keep in the instance: pidfd, or -1 when it
+// cannot be watched (it is closed, and the sweep finds the exit through
+// /proc instead).
+func (e *Enforcer) watchLocked(pidfd int, ref watchRef) int {
+	seq, err := e.w.add(pidfd)
+	if err != nil {
+		e.o.log.Warn("watch process", "instance", ref.in.name, "slot", ref.slot, "err", err)
+		_ = unix.Close(pidfd)
+		return -1
+	}
+	ref.seq = seq
+	e.watches[pidfd] = ref
+	return pidfd
+}
+
+// unwatchLocked stops watching pidfd and closes it.
+func (e *Enforcer) unwatchLocked(pidfd int) {
+	delete(e.watches, pidfd)
+	e.w.remove(pidfd)
+	_ = unix.Close(pidfd)
+}
+
 func minTime(a, b time.Time) time.Time {
 	if b.Before(a) {
 		return b
@@ -170,18 +209,25 @@ func minTime(a, b time.Time) time.Time {
 	return a
 }
 
+// watchEvent is an event of the watcher: a registration's descriptor and
+// number.
+type watchEvent struct {
+	fd  int
+	seq int32
+}
+
 // exitedLocked handles a readable pidfd: the process it stands for exited.
-// handled says the pidfd was watched; released, that an instance was
-// released with it.
-func (e *Enforcer) exitedLocked(fd int) (handled, released bool) {
-	ref, ok := e.watches[fd]
-	if !ok {
+// handled says the pidfd was watched (by the registration the event is
+// of: one removed since, with its number reused, is not it); released,
+// that an instance was released with it.
+func (e *Enforcer) exitedLocked(ev watchEvent) (handled, released bool) {
+	ref, ok := e.watches[ev.fd]
+	if !ok || ref.seq != ev.seq {
 		return false, false
 	}
 	in := ref.in
 	if ref.slot < 0 {
-		delete(e.watches, fd)
-		_ = unix.Close(fd)
+		e.unwatchLocked(ev.fd)
 		in.rootFD = -1
 		in.rootGone = true
 	} else {
@@ -201,8 +247,7 @@ func (e *Enforcer) reapSlotLocked(in *instance, i int) {
 		return
 	}
 	if fd := in.slotFD[i]; fd >= 0 {
-		delete(e.watches, fd)
-		_ = unix.Close(fd)
+		e.unwatchLocked(fd)
 		in.slotFD[i] = -1
 	}
 	p := in.reg.Proc(i)
