@@ -12,6 +12,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -482,8 +483,28 @@ func nodeInstall(c *cli.Context) error {
 	if err != nil {
 		return fmt.Errorf("the configuration to install: %w", err)
 	}
-	_, err = in.install(p, data)
-	return err
+	cfg, err := config.Parse(p, data)
+	if err != nil {
+		return err
+	}
+	step, err := engineStepOf(c, specDirsOf(cfg))
+	if err != nil {
+		return err
+	}
+	if _, err = in.install(p, data); err != nil {
+		return err
+	}
+	return in.configureEngine(c.Context, step)
+}
+
+// specDirsOf are the directories an engine must scan for cfg's spec: the
+// default ones, and cfg's cdi_spec_dir when it is another.
+func specDirsOf(cfg *config.Config) []string {
+	dirs := slices.Clone(cdi.DefaultSpecDirs)
+	if !slices.Contains(dirs, cfg.CDISpecDir) {
+		dirs = append(dirs, cfg.CDISpecDir)
+	}
+	return dirs
 }
 
 func nodeUninstall(c *cli.Context) error {
@@ -491,6 +512,10 @@ func nodeUninstall(c *cli.Context) error {
 		return usagef("node uninstall takes no arguments, got %q", c.Args().First())
 	}
 	in, err := installerOf(c)
+	if err != nil {
+		return err
+	}
+	step, err := engineStepOf(c, nil)
 	if err != nil {
 		return err
 	}
@@ -508,6 +533,15 @@ func nodeUninstall(c *cli.Context) error {
 		if !gone {
 			in.say("the DaemonSet %s is still there (its pods are being replaced, not removed): nothing removed", v)
 			return nil
+		}
+	}
+	rec, err := in.loadEngineRecord()
+	if err != nil {
+		return err
+	}
+	if rec != nil {
+		if err := in.revertEngine(c.Context, step, rec); err != nil {
+			return err
 		}
 	}
 	return in.uninstall()
@@ -528,8 +562,12 @@ func init() {
 			"directory to --config-out, and the CDI spec of the node's GPUs to the configuration's\n" +
 			"cdi_spec_dir; then removes the directories of other builds whose shim no process maps\n" +
 			"(read from /proc/*/maps: run it in the host's pid namespace). Paths are the host's; with\n" +
-			"--host-root they are reached under it. The Helm chart's init container (docs/install.md).",
-		Flags: append(append([]cli.Flag{}, installFlags...),
+			"--host-root they are reached under it. With --engine it also configures containerd or Docker\n" +
+			"to read CDI specs (as mgpu-cli runtime configure does; the engine's files at their own paths),\n" +
+			"records what they held in INSTALL-DIR/" + engineRecordName + " and runs --engine-restart\n" +
+			"when a file changed; without --engine it puts back what an earlier --engine configured.\n" +
+			"The Helm chart's init container (docs/install.md).",
+		Flags: append(append(append([]cli.Flag{}, installFlags...), engineFlags(true)...),
 			&cli.StringFlag{Name: "source-prefix", Value: "/usr", Usage: "the `DIR` this image holds bin/mgpu-hook and lib/mgpu/libmgpu-shim.so under"},
 			&cli.StringFlag{Name: "proc", Value: "/proc", Usage: "the proc file system that shows the host's processes (`DIR`)", Hidden: true},
 		),
@@ -542,8 +580,10 @@ func init() {
 			"did not write is kept, and its spec), and every directory under --install-dir whose shim no\n" +
 			"process maps; a directory still in use is kept and named. With --unless-daemonset it does\n" +
 			"nothing while that DaemonSet exists and is not being deleted: the chart's preStop hook, so\n" +
-			"that a rolling update keeps the node's files and helm uninstall removes them.",
-		Flags: append(append([]cli.Flag{}, installFlags...),
+			"that a rolling update keeps the node's files and helm uninstall removes them. An engine\n" +
+			"node install configured (--engine) gets its files back where they still hold what node\n" +
+			"install wrote (a file changed since is kept and named), then --engine-restart runs.",
+		Flags: append(append(append([]cli.Flag{}, installFlags...), engineFlags(false)...),
 			&cli.StringFlag{Name: "unless-daemonset", Usage: "do nothing while the DaemonSet `NAMESPACE/NAME` exists"},
 			&cli.StringFlag{Name: "kubeconfig", Usage: "the kubeconfig `FILE` for --unless-daemonset (default: $KUBECONFIG, else ~/.kube/config, else in-cluster)"},
 			&cli.StringFlag{Name: "proc", Value: "/proc", Usage: "the proc file system that shows the host's processes (`DIR`)", Hidden: true},

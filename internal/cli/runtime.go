@@ -66,7 +66,6 @@ func runtimeConfigure(c *cli.Context) error {
 // engineSpecDirs are the directories the engine must scan: the default
 // ones, and the node's cdi_spec_dir when it is another.
 func engineSpecDirs(c *cli.Context) ([]string, string, error) {
-	dirs := slices.Clone(cdi.DefaultSpecDirs)
 	cfg, err := loadConfig(c)
 	switch {
 	case err == nil:
@@ -75,10 +74,7 @@ func engineSpecDirs(c *cli.Context) ([]string, string, error) {
 	default:
 		return nil, "", err
 	}
-	if !slices.Contains(dirs, cfg.CDISpecDir) {
-		dirs = append(dirs, cfg.CDISpecDir)
-	}
-	return dirs, cfg.CDIKind, nil
+	return specDirsOf(cfg), cfg.CDIKind, nil
 }
 
 func printPlan(w io.Writer, plan engine.Plan) error {

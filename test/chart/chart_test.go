@@ -713,6 +713,7 @@ func TestLint(t *testing.T) {
 	}{
 		{"defaults", nil},
 		{"package mode", []string{"--set", "mode=package"}},
+		{"engine", []string{"--set", "node.engine.name=containerd"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -989,6 +990,50 @@ listen = "127.0.0.1:9500"`}, func(t *testing.T, m manifest) {
 					}
 				}
 			}},
+		{"engine containerd 1.7", []string{"--set", "node.engine.name=containerd"}, func(t *testing.T, m manifest) {
+			ds := must[*appsv1.DaemonSet](t, m, nodeName)
+			spec := ds.Spec.Template.Spec
+			install := spec.InitContainers[0]
+			want := []string{"--engine", "containerd", "--engine-config", "/etc/containerd/config.toml", "--containerd-version", "1.7",
+				"--containerd-drop-in", "/etc/containerd/conf.d/mgpu.toml", "--engine-restart", "systemctl restart containerd",
+				"--engine-restart-root", "/host-root"}
+			if i := slices.Index(install.Command, "--engine"); i < 0 || !slices.Equal(install.Command[i:], want) {
+				t.Errorf("install command %q, want it to end with %q", install.Command, want)
+			}
+			agent := container(t, spec.Containers, "agent")
+			pre := agent.Lifecycle.PreStop.Exec.Command
+			if i := slices.Index(pre, "--engine-restart"); i < 0 || !slices.Equal(pre[i:], want[len(want)-4:]) {
+				t.Errorf("preStop %q: want the restart flags", pre)
+			}
+			for _, c := range []corev1.Container{install, agent} {
+				for dir, host := range map[string]string{"/etc/containerd": "/etc/containerd", "/etc/containerd/conf.d": "/etc/containerd/conf.d", "/host-root": "/"} {
+					if hp := hostPathAt(t, spec, c, dir); hp.Path != host {
+						t.Errorf("%s: %s mounted from %q, want %q", c.Name, dir, hp.Path, host)
+					}
+				}
+			}
+		}},
+		{"engine docker, turned off, restarted by hand", []string{"--set", "node.engine.name=docker", "--set", "node.engine.configure=false",
+			"--set", "node.engine.restart=none", "--set", "node.engine.configFile=/srv/docker/daemon.json"}, func(t *testing.T, m manifest) {
+			ds := must[*appsv1.DaemonSet](t, m, nodeName)
+			spec := ds.Spec.Template.Spec
+			install := spec.InitContainers[0]
+			for _, f := range []string{"--engine", "--engine-restart"} {
+				if slices.Contains(install.Command, f) {
+					t.Errorf("install command %q has %s", install.Command, f)
+				}
+			}
+			// Turned off, the installer still reaches the files to put
+			// them back.
+			if hp := hostPathAt(t, spec, install, "/srv/docker"); hp.Path != "/srv/docker" {
+				t.Errorf("daemon.json's directory mounted from %q", hp.Path)
+			}
+			for _, v := range spec.Volumes {
+				if v.Name == "host-root" {
+					t.Error("the host's root is mounted without a restart command")
+				}
+			}
+		}},
 		{"webhook disabled", []string{"--set", "webhook.enabled=false"}, func(t *testing.T, m manifest) {
 			for _, o := range m.typed {
 				if a, _ := o.(metav1.Object); a.GetLabels()["app.kubernetes.io/component"] == "webhook" {
@@ -1047,6 +1092,7 @@ func TestInvalidValues(t *testing.T) {
 		{"bad mode", []string{"--set", "mode=bogus"}, []string{"/mode", "'image'", "'package'"}},
 		{"bad backend", []string{"--set", "node.config.backend=foo"}, []string{"/node/config/backend", "'nvml'", "'sim'"}},
 		{"unknown value", []string{"--set", "node.bogus=1"}, []string{"/node", "bogus"}},
+		{"unknown engine", []string{"--set", "node.engine.name=crio"}, []string{"/node/engine/name", "'docker'"}},
 		{"prefix is the installer's", []string{"--set", "node.config.prefix=/usr"}, []string{"/node/config", "prefix"}},
 		{"bad policy", []string{"--set", "node.config.defaults.compute_policy=fair"}, []string{"/node/config/defaults/compute_policy", "fixed-share"}},
 		{"bad service monitor switch", []string{"--set-string", "node.metrics.serviceMonitor.enabled=yes"}, []string{"/node/metrics/serviceMonitor/enabled", "auto"}},

@@ -69,7 +69,11 @@ func testChartInstall(t *testing.T, mode string) {
 	installDir := filepath.Join(m.Dir, "opt-mgpu")
 	configDir := filepath.Dir(m.n.ConfigPath) // package mode: the host side's
 	nodeConfig := fmt.Sprintf("{run_dir: %q}", m.n.RunDir)
+	engineValues := ""
+	var eng *engineFiles
 	if mode == "image" {
+		eng = newEngineFiles(t, m.Dir)
+		engineValues = eng.values()
 		configDir = filepath.Join(m.Dir, "etc-mgpu")
 		gpu := fmt.Sprintf("{name: Simulated-GPU, memory_mib: %d}", gpuMiB)
 		nodeConfig = fmt.Sprintf(`{backend: sim, run_dir: %q, state_dir: %q, cdi_spec_dir: %q,
@@ -87,13 +91,14 @@ node:
   config: %s
   agent: {nodeInterval: 1s, logLevel: debug, mpsPipeDirectory: %q}
   metrics: {enabled: false}
+%s
 webhook:
   replicas: 1
   hostNetwork: true
   listen: %q
   url: "https://%s/mutate"
   tls: {ipAddresses: [127.0.0.1]}
-`, repo, tag, mode, api.Port(), installDir, configDir, nodeConfig, mps, listen, listen), 0o600); err != nil {
+`, repo, tag, mode, api.Port(), installDir, configDir, nodeConfig, mps, engineValues, listen, listen), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	installed := false
@@ -113,6 +118,7 @@ webhook:
 	installed = true
 	t.Logf("helm install: ready in %v", time.Since(t0).Round(time.Millisecond))
 	m.waitResources(t, 60*time.Second)
+	eng.checkConfigured(t, "install", 1)
 
 	t.Run("SeedDeployment", func(t *testing.T) { testSeed(t, m) })
 
@@ -143,6 +149,7 @@ webhook:
 			t.Errorf("the upgrade did not replace the agent's pod with the new value: %s %q", after.Name, cmd)
 		}
 		m.waitResources(t, 60*time.Second)
+		eng.checkConfigured(t, "upgrade", 1) // nothing changed: not restarted
 		if shimAfter := installedShims(t, installDir); !slices.Equal(shimAfter, shimBefore) {
 			t.Errorf("installed shims %v after the upgrade, %v before", shimAfter, shimBefore)
 		}
@@ -223,6 +230,7 @@ webhook:
 		if after := cdiSpecs(t); !slices.Equal(after, specsBefore) {
 			t.Errorf("CDI specs %v after uninstall, %v before install", after, specsBefore)
 		}
+		eng.checkRestored(t, installDir)
 		// Pods are created normally: one without mgpu resources runs, one
 		// with them is admitted (no webhook refuses or changes it).
 		plain := workloadPod("after-uninstall", "", 0, 0, idle)
@@ -245,6 +253,95 @@ webhook:
 			}
 		}
 	})
+}
+
+// engineFiles is the container engine the chart configures in image mode
+// (node.engine): a Docker daemon.json of the test's, and a restart command
+// that records its runs. The cluster's own engine is containerd 2.x, which
+// needs nothing, and this machine has no systemd to restart an engine:
+// what is checked is the chart's step, the files and when it restarts.
+type engineFiles struct {
+	daemon, original, script, restarts string
+}
+
+func newEngineFiles(t *testing.T, dir string) *engineFiles {
+	t.Helper()
+	e := &engineFiles{daemon: filepath.Join(dir, "etc-docker", "daemon.json"), original: "{\n  \"log-level\": \"warn\"\n}\n",
+		script: filepath.Join(dir, "engine-restart.sh")}
+	// The restart command runs in the host's root mounted read-only; its
+	// record goes to a tmpfs of its own (/dev/shm), which stays writable.
+	f, err := os.CreateTemp("/dev/shm", "mgpu-engine-restarts-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.restarts = f.Name()
+	_ = f.Close()
+	t.Cleanup(func() { _ = os.Remove(e.restarts) })
+	if err := os.MkdirAll(filepath.Dir(e.daemon), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(e.daemon, []byte(e.original), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(e.script, []byte("echo restarted >> "+e.restarts+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+func (e *engineFiles) values() string {
+	return fmt.Sprintf("  engine: {name: docker, configFile: %q, restart: %q}", e.daemon, "/bin/sh "+e.script)
+}
+
+func (e *engineFiles) nRestarts(t *testing.T) int {
+	t.Helper()
+	data, err := os.ReadFile(e.restarts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Count(string(data), "restarted\n")
+}
+
+// checkConfigured: daemon.json enables CDI with the node's spec
+// directories, and the engine was restarted restarts times in all.
+func (e *engineFiles) checkConfigured(t *testing.T, after string, restarts int) {
+	t.Helper()
+	if e == nil {
+		return
+	}
+	data, err := os.ReadFile(e.daemon)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(data), `"cdi": true`) || !strings.Contains(string(data), e2e.CDISpecDir) || !strings.Contains(string(data), `"log-level": "warn"`) {
+		t.Errorf("daemon.json after %s: %s", after, data)
+	}
+	n := e.nRestarts(t)
+	t.Logf("node.engine after %s: daemon.json configured, %d restart(s) of the engine", after, n)
+	if n != restarts {
+		t.Errorf("the engine restarted %d times by the end of the %s, want %d", n, after, restarts)
+	}
+}
+
+// checkRestored: after uninstall daemon.json holds what it held before
+// install, the engine restarted once more, and no record is left.
+func (e *engineFiles) checkRestored(t *testing.T, installDir string) {
+	t.Helper()
+	if e == nil {
+		return
+	}
+	data, err := os.ReadFile(e.daemon)
+	if err != nil || string(data) != e.original {
+		t.Errorf("daemon.json after uninstall: %q (%v), want %q as before install", data, err, e.original)
+	}
+	n := e.nRestarts(t)
+	t.Logf("node.engine after uninstall: daemon.json as before install: %v; %d restarts in all", string(data) == e.original, n)
+	if n != 2 {
+		t.Errorf("the engine restarted %d times in all, want 2 (install, uninstall)", n)
+	}
+	if _, err := os.Stat(filepath.Join(installDir, "engine-record.json")); !os.IsNotExist(err) {
+		t.Errorf("the engine record is left: %v", err)
+	}
 }
 
 // installedShims lists the shims installed under dir (one per build

@@ -209,3 +209,79 @@ the same.
 {{ . }}
 {{- end }}
 {{- end }}
+
+{{/*
+The engine step (node.engine, image mode): node install's and node
+uninstall's flags, the mounts of the engine's files (at their own paths)
+and of the host's root (read-only, where the restart command runs).
+*/}}
+{{- define "mgpu.node.engineRestart" -}}
+{{- $e := .Values.node.engine -}}
+{{- if and $e.name (ne $e.restart "none") -}}
+{{- default (printf "systemctl restart %s" $e.name) $e.restart -}}
+{{- end -}}
+{{- end }}
+
+{{- define "mgpu.node.engineConfigFile" -}}
+{{- $e := .Values.node.engine -}}
+{{- default (ternary "/etc/containerd/config.toml" "/etc/docker/daemon.json" (eq $e.name "containerd")) $e.configFile -}}
+{{- end }}
+
+{{- define "mgpu.node.engineRestartArgs" -}}
+{{- with include "mgpu.node.engineRestart" . }}
+- --engine-restart
+- {{ . | quote }}
+- --engine-restart-root
+- /host-root
+{{- end }}
+{{- end }}
+
+{{- define "mgpu.node.engineInstallArgs" -}}
+{{- $e := .Values.node.engine -}}
+{{- if and $e.name $e.configure }}
+- --engine
+- {{ $e.name }}
+- --engine-config
+- {{ include "mgpu.node.engineConfigFile" . | quote }}
+{{- if eq $e.name "containerd" }}
+- --containerd-version
+- {{ $e.containerdVersion | quote }}
+- --containerd-drop-in
+- {{ $e.containerdDropIn | quote }}
+{{- end }}
+{{- end }}
+{{- include "mgpu.node.engineRestartArgs" . }}
+{{- end }}
+
+{{- define "mgpu.node.engineMounts" -}}
+{{- $e := .Values.node.engine -}}
+{{- if $e.name }}
+- name: engine-config
+  mountPath: {{ dir (include "mgpu.node.engineConfigFile" .) | quote }}
+{{- if eq $e.name "containerd" }}
+- name: engine-drop-in
+  mountPath: {{ dir $e.containerdDropIn | quote }}
+{{- end }}
+{{- if include "mgpu.node.engineRestart" . }}
+- name: host-root
+  mountPath: /host-root
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "mgpu.node.engineVolumes" -}}
+{{- $e := .Values.node.engine -}}
+{{- if $e.name }}
+- name: engine-config
+  hostPath: {path: {{ dir (include "mgpu.node.engineConfigFile" .) | quote }}, type: DirectoryOrCreate}
+{{- if eq $e.name "containerd" }}
+- name: engine-drop-in
+  hostPath: {path: {{ dir $e.containerdDropIn | quote }}, type: DirectoryOrCreate}
+{{- end }}
+{{- if include "mgpu.node.engineRestart" . }}
+- name: host-root
+  hostPath: {path: /, type: Directory}
+{{- end }}
+{{- end }}
+{{- end }}
