@@ -45,6 +45,11 @@ type Device struct {
 	KernelNs uint64 `json:"kernel_ns"` // time kernels ran
 	Kernels  uint64 `json:"kernels"`
 	Procs    []Proc `json:"procs"`
+	// Handoffs counts the times the device passed from one process to
+	// another, Idles the times it was left with no holder: between two
+	// states, the hand-offs and idle spells of the window.
+	Handoffs uint64 `json:"handoffs"`
+	Idles    uint64 `json:"idles"`
 
 	// Model is the device model ("slice", "timer" or "kernel"), TimesliceNs
 	// its time slice (kernel model: only the turn of a process's streams

@@ -358,6 +358,14 @@ func TestModelKernelAlternates(t *testing.T) {
 		if a := alternation(c); a < 0.9 {
 			r.Errorf("the processes alternated at %.0f%% of the hand-overs, want all", 100*a)
 		}
+		// stat counts the hand-offs (one per kernel after the first, the
+		// two processes alternating) and the idle spells (at least the
+		// end of the last kernel).
+		d0, _ := e.stat().Device(0)
+		t.Logf("stat: %d hand-offs, %d idle spells", d0.Handoffs, d0.Idles)
+		if want := 2*count - 1; d0.Handoffs < uint64(want*9/10) || d0.Handoffs > uint64(want) || d0.Idles < 1 {
+			r.Errorf("stat: %d hand-offs, %d idle spells; want about %d hand-offs and at least one idle spell", d0.Handoffs, d0.Idles, want)
+		}
 		for k := 0; k < 2; k++ {
 			g := s.gaps(k)
 			if len(g) != count {

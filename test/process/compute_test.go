@@ -118,8 +118,20 @@ func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, w
 	if hostErr == nil {
 		steal = fmt.Sprintf("%.2f%%", harness.StealPercent(hostA, hostB))
 	}
-	t.Logf("%s shares over %v (device model %s): %v (device %.2f%%; host CPU stolen by the hypervisor: %s)", p, win, model, round(shares), dev, steal)
+	hand, idle := holderChanges(a, b)
+	t.Logf("%s shares over %v (device model %s): %v (device %.2f%%, %.0f hand-offs/s, %.0f idle spells/s; host CPU stolen by the hypervisor: %s)",
+		p, win, model, round(shares), dev, hand, idle, steal)
 	return shares, dev
+}
+
+// holderChanges is how often device 0 passed from one process to another
+// (hand-offs) and was left with no holder (idle spells) between two
+// samples, per second.
+func holderChanges(a, b harness.Sample) (handoffs, idles float64) {
+	da, _ := a.State.Device(0)
+	db, _ := b.State.Device(0)
+	s := b.At.Sub(a.At).Seconds()
+	return float64(db.Handoffs-da.Handoffs) / s, float64(db.Idles-da.Idles) / s
 }
 
 // stats0 is device 0's GET /v1/stats.

@@ -88,9 +88,10 @@ static int stat_devices(struct fc_dev **devs, const int *idx, int n)
         fc_uuid_string(idx[k], uuid, sizeof(uuid));
         printf("%s{\"index\":%d,\"name\":", k ? "," : "", idx[k]);
         json_string(snap.name);
-        printf(",\"uuid\":\"%s\",\"model\":\"%s\",\"timeslice_ns\":%llu,\"mem_total\":%llu,\"mem_used\":%llu,\"busy_ns\":%llu,\"kernel_ns\":%llu,\"kernels\":%llu,\"procs\":[",
+        printf(",\"uuid\":\"%s\",\"model\":\"%s\",\"timeslice_ns\":%llu,\"mem_total\":%llu,\"mem_used\":%llu,\"busy_ns\":%llu,\"kernel_ns\":%llu,\"kernels\":%llu,\"handoffs\":%llu,\"idles\":%llu,\"procs\":[",
                uuid, fc_model_name(snap.model), (unsigned long long)snap.slice_ns, (unsigned long long)snap.mem_total, (unsigned long long)snap.mem_used,
-               (unsigned long long)snap.busy_ns, (unsigned long long)snap.kernel_ns, (unsigned long long)snap.kernels);
+               (unsigned long long)snap.busy_ns, (unsigned long long)snap.kernel_ns, (unsigned long long)snap.kernels,
+               (unsigned long long)snap.handoffs, (unsigned long long)snap.idles);
         int first = 1;
         for (int i = 0; i < FC_MAX_PROCS; i++) {
             struct fc_proc *p = &snap.procs[i];

@@ -403,8 +403,13 @@ static int others_wait_locked(const struct fc_dev *d, int proc)
  * on, if that is a change of process. */
 static void trace_locked(struct fc_dev *d, int proc, uint64_t now)
 {
-    if (d->ntrace && d->trace[(d->ntrace - 1) % FC_TRACE].proc == proc)
+    int prev = d->ntrace ? d->trace[(d->ntrace - 1) % FC_TRACE].proc : -1;
+    if (d->ntrace && prev == proc)
         return;
+    if (proc < 0)
+        d->idles++;
+    else if (prev >= 0)
+        d->handoffs++;
     struct fc_trace_ent *e = &d->trace[d->ntrace % FC_TRACE];
     e->t_ns = now;
     e->proc = proc;

@@ -24,7 +24,7 @@
 #define FC_MAX_PROCS 1024
 #define FC_MAX_WAITERS 256
 #define FC_MAGIC 0x41445543454b4146ULL /* "FAKECUDA" */
-#define FC_LAYOUT 8
+#define FC_LAYOUT 9
 #define FC_TRACE 4096 /* ownership changes kept in fc_dev.trace */
 #define FC_SAMPLES 16 /* utilisation samples kept in fc_dev.samp (NVML) */
 #define FC_SAMPLE_MIN_NS 20000000ULL /* NVML takes a new sample at most every 20 ms */
@@ -116,6 +116,8 @@ struct fc_dev {
     uint64_t nsamp;     /* utilisation samples taken; sample k is samp[k % FC_SAMPLES] */
     uint64_t samp_from; /* samples before it are void (reset) */
     struct fc_sample samp[FC_SAMPLES];
+    uint64_t handoffs; /* the device passed from one process to another */
+    uint64_t idles;    /* the device was left with no holder */
     uint64_t ntrace; /* ownership changes recorded; the last FC_TRACE are in trace */
     struct fc_trace_ent trace[FC_TRACE];
     struct fc_waiter wq[FC_MAX_WAITERS];
