@@ -42,6 +42,8 @@ type engineRecord struct {
 	// RestartPending: the files changed and the engine's restart has not
 	// succeeded yet (it is tried again by the next install or uninstall).
 	RestartPending bool `json:"restart_pending,omitempty"`
+	// Reverted: the files were put back; only the restart is left.
+	Reverted bool `json:"reverted,omitempty"`
 }
 
 type recordedFile struct {
@@ -120,8 +122,9 @@ func (in *installer) configureEngine(ctx context.Context, s engineStep) error {
 	if err != nil {
 		return err
 	}
-	if rec != nil && rec.Engine != s.engine {
-		// Turned off, or another engine: put the old one back first.
+	if rec != nil && (rec.Engine != s.engine || rec.Reverted) {
+		// Turned off, another engine, or a revert whose restart failed:
+		// finish putting the old configuration back first.
 		if err := in.revertEngine(ctx, s, rec); err != nil {
 			return err
 		}
@@ -137,6 +140,7 @@ func (in *installer) configureEngine(ctx context.Context, s engineStep) error {
 	if rec == nil {
 		rec = &engineRecord{Engine: s.engine}
 	}
+	changed := false
 	for _, ch := range plan {
 		if !ch.Changed() {
 			continue
@@ -147,69 +151,83 @@ func (in *installer) configureEngine(ctx context.Context, s engineStep) error {
 			i = len(rec.Files) - 1
 		}
 		rec.Files[i].Written = sha256Hex(ch.New)
-		rec.RestartPending = true
+		changed = true
 	}
 	if len(rec.Files) == 0 {
 		in.say("%s reads CDI specs already (nothing changed, nothing recorded)", s.engine)
 		return nil
 	}
-	// The record first: whatever is written after it can be put back.
-	if err := in.saveEngineRecord(rec); err != nil {
-		return err
-	}
-	if err := plan.Apply(); err != nil {
-		return err
-	}
-	for _, ch := range plan {
-		if ch.Changed() {
-			in.say("configured %s: %s (%s)", s.engine, ch.Path, ch.Why)
+	if changed {
+		rec.RestartPending = true
+		// The record first: whatever is written after it can be put back.
+		if err := in.saveEngineRecord(rec); err != nil {
+			return err
+		}
+		if err := plan.Apply(); err != nil {
+			return err
+		}
+		for _, ch := range plan {
+			if ch.Changed() {
+				in.say("configured %s: %s (%s)", s.engine, ch.Path, ch.Why)
+			}
 		}
 	}
 	if !rec.RestartPending {
 		in.say("%s: configured already, not restarted", s.engine)
 		return nil
 	}
-	return in.restartEngine(ctx, s, rec)
+	if err := in.restartEngine(ctx, s, rec.Engine); err != nil {
+		return err
+	}
+	rec.RestartPending = false
+	return in.saveEngineRecord(rec)
 }
 
 // revertEngine puts back the files rec names that still hold what the step
-// wrote, removes the record, and restarts the engine when a file changed.
+// wrote, restarts the engine when a file changed (or a restart is still
+// pending), and removes the record. A failed restart keeps the record,
+// marked reverted, so that the next install or uninstall tries it again.
 func (in *installer) revertEngine(ctx context.Context, s engineStep, rec *engineRecord) error {
-	restored := false
-	// Backwards: containerd's main config drops the import before the
-	// drop-in goes.
-	for i := len(rec.Files) - 1; i >= 0; i-- {
-		f := rec.Files[i]
-		cur, err := os.ReadFile(f.Path)
-		switch {
-		case errors.Is(err, fs.ErrNotExist):
-			in.say("%s is gone: nothing to put back", f.Path)
-			continue
-		case err != nil:
-			return fmt.Errorf("put back %s: %w", f.Path, fsutil.UnwrapPath(err))
-		case sha256Hex(cur) != f.Written:
-			in.say("kept %s: it changed since node install configured %s; remove mgpu's CDI settings by hand", f.Path, rec.Engine)
-			continue
+	if !rec.Reverted {
+		restored := false
+		// Backwards: containerd's main config drops the import before
+		// the drop-in goes.
+		for i := len(rec.Files) - 1; i >= 0; i-- {
+			f := rec.Files[i]
+			cur, err := os.ReadFile(f.Path)
+			switch {
+			case errors.Is(err, fs.ErrNotExist):
+				in.say("%s is gone: nothing to put back", f.Path)
+				continue
+			case err != nil:
+				return fmt.Errorf("put back %s: %w", f.Path, fsutil.UnwrapPath(err))
+			case sha256Hex(cur) != f.Written:
+				in.say("kept %s: it changed since node install configured %s; remove mgpu's CDI settings by hand", f.Path, rec.Engine)
+				continue
+			}
+			if f.Existed {
+				if err := fsutil.WriteFileAtomic(f.Path, f.Original, f.Mode); err != nil {
+					return err
+				}
+				in.say("put back %s as it was before node install", f.Path)
+			} else {
+				if err := os.Remove(f.Path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+					return fmt.Errorf("remove %s: %w", f.Path, fsutil.UnwrapPath(err))
+				}
+				in.say("removed %s (node install created it)", f.Path)
+			}
+			restored = true
 		}
-		if f.Existed {
-			if err := fsutil.WriteFileAtomic(f.Path, f.Original, f.Mode); err != nil {
+		rec.Reverted = true
+		rec.RestartPending = rec.RestartPending || restored
+		if rec.RestartPending {
+			if err := in.saveEngineRecord(rec); err != nil {
 				return err
 			}
-			in.say("put back %s as it was before node install", f.Path)
-		} else {
-			if err := os.Remove(f.Path); err != nil && !errors.Is(err, fs.ErrNotExist) {
-				return fmt.Errorf("remove %s: %w", f.Path, fsutil.UnwrapPath(err))
-			}
-			in.say("removed %s (node install created it)", f.Path)
 		}
-		restored = true
 	}
-	if restored {
-		rec.RestartPending = true
-		if err := in.saveEngineRecord(rec); err != nil {
-			return err
-		}
-		if err := in.restartEngine(ctx, s, rec); err != nil {
+	if rec.RestartPending {
+		if err := in.restartEngine(ctx, s, rec.Engine); err != nil {
 			return err
 		}
 	}
@@ -219,33 +237,29 @@ func (in *installer) revertEngine(ctx context.Context, s engineStep, rec *engine
 	return nil
 }
 
-// restartEngine runs the restart command in the host's root and clears
-// the record's pending restart; without a command it says what to do.
-func (in *installer) restartEngine(ctx context.Context, s engineStep, rec *engineRecord) error {
+// restartEngine runs the restart command in the host's root; without a
+// command it says what to do.
+func (in *installer) restartEngine(ctx context.Context, s engineStep, name string) error {
 	if len(s.restart) == 0 {
-		in.say("restart %s to apply: systemctl restart %s", rec.Engine, rec.Engine)
-	} else {
-		ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, s.restart[0], s.restart[1:]...) //nolint:gosec // the operator's command
-		cmd.Dir = "/"
-		cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-		if s.restartRoot != "" && s.restartRoot != "/" {
-			cmd.SysProcAttr = &syscall.SysProcAttr{Chroot: s.restartRoot}
-		}
-		var out bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &out
-		if err := cmd.Run(); err != nil {
-			return fmt.Errorf("restart %s (%s, in %s): %w: %s; it is tried again at the next node install or uninstall",
-				rec.Engine, strings.Join(s.restart, " "), s.restartRoot, err, strings.TrimSpace(out.String()))
-		}
-		in.say("restarted %s (%s)", rec.Engine, strings.Join(s.restart, " "))
+		in.say("restart %s to apply: systemctl restart %s", name, name)
+		return nil
 	}
-	rec.RestartPending = false
-	if _, err := os.Stat(in.recordPath()); err != nil {
-		return nil //nolint:nilerr // reverted: the record is being removed
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, s.restart[0], s.restart[1:]...) //nolint:gosec // the operator's command
+	cmd.Dir = "/"
+	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+	if s.restartRoot != "" && s.restartRoot != "/" {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Chroot: s.restartRoot}
 	}
-	return in.saveEngineRecord(rec)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("restart %s (%s, in %s): %w: %s; it is tried again at the next node install or uninstall",
+			name, strings.Join(s.restart, " "), s.restartRoot, err, strings.TrimSpace(out.String()))
+	}
+	in.say("restarted %s (%s)", name, strings.Join(s.restart, " "))
+	return nil
 }
 
 func slicesIndex(files []recordedFile, path string) int {

@@ -175,6 +175,21 @@ func TestNodeInstallEngineKeepsAndRetries(t *testing.T) {
 	if got := readOr(t, daemon); got != "{}\n" || e.nRestarts(t) != 2 {
 		t.Fatalf("turned off: %s holds %q, %d restarts", daemon, got, e.nRestarts(t))
 	}
+	// Uninstall whose restart fails: the file is back, the restart is
+	// tried again by the next uninstall, which has nothing more to put
+	// back (and keeps nothing).
+	e.runOK(t, append(install, e.restartArgs()...)...)
+	if _, stderr, code := e.run(t, "uninstall", "--engine-restart", "/bin/false"); code == 0 || !strings.Contains(stderr, "tried again") {
+		t.Fatalf("uninstall with a failing restart: status %d: %s", code, stderr)
+	}
+	if got := readOr(t, daemon); got != "{}\n" {
+		t.Fatalf("after an uninstall whose restart failed: %s holds %q", daemon, got)
+	}
+	n := e.nRestarts(t)
+	out = e.runOK(t, append([]string{"uninstall"}, e.restartArgs()...)...)
+	if e.nRestarts(t) != n+1 || strings.Contains(out, "kept") || readOr(t, daemon) != "{}\n" {
+		t.Fatalf("the retried uninstall: %d restarts (was %d), %s holds %q:\n%s", e.nRestarts(t), n, daemon, readOr(t, daemon), out)
+	}
 	// Changed by the operator after install: kept, and named.
 	e.runOK(t, append(install, e.restartArgs()...)...)
 	if err := os.WriteFile(daemon, []byte("{\"features\": {\"cdi\": true}, \"debug\": true}\n"), 0o644); err != nil {
