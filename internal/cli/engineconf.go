@@ -274,7 +274,7 @@ func slicesIndex(files []recordedFile, path string) int {
 // engineFlags are node install's and node uninstall's flags of the step.
 func engineFlags(install bool) []cli.Flag {
 	restart := []cli.Flag{
-		&cli.StringFlag{Name: "engine-restart", Usage: "the `COMMAND` (split at spaces) that restarts the engine after its files changed, run with --engine-restart-root as its root; none: the operator restarts it"},
+		&cli.StringFlag{Name: "engine-restart", Usage: "the `COMMAND` (split at spaces) that restarts the engine after its files changed, run with --engine-restart-root as its root (without it, the operator restarts the engine)"},
 		&cli.StringFlag{Name: "engine-restart-root", Value: "/", Usage: "the host's root file system as mounted here (`DIR`), where --engine-restart runs"},
 	}
 	if !install {
