@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -145,7 +146,7 @@ func (in *installer) configureEngine(ctx context.Context, s engineStep) error {
 		if !ch.Changed() {
 			continue
 		}
-		i := slicesIndex(rec.Files, ch.Path)
+		i := slices.IndexFunc(rec.Files, func(f recordedFile) bool { return f.Path == ch.Path })
 		if i < 0 {
 			rec.Files = append(rec.Files, recordedFile{Path: ch.Path, Existed: ch.Old != nil, Original: ch.Old, Mode: ch.Mode})
 			i = len(rec.Files) - 1
@@ -260,15 +261,6 @@ func (in *installer) restartEngine(ctx context.Context, s engineStep, name strin
 	}
 	in.say("restarted %s (%s)", name, strings.Join(s.restart, " "))
 	return nil
-}
-
-func slicesIndex(files []recordedFile, path string) int {
-	for i, f := range files {
-		if f.Path == path {
-			return i
-		}
-	}
-	return -1
 }
 
 // engineFlags are node install's and node uninstall's flags of the step.
