@@ -476,9 +476,9 @@ func (e *Enforcer) params(in *instance) region.Params {
 // ends sooner (docs/arbiter.md "Online and offline instances").
 func (in *instance) maxQueued() time.Duration {
 	if in.class == policy.Offline {
-		return offlineMaxQueued
+		return arbiter.DefaultOfflineMaxQueued
 	}
-	return maxQueued
+	return arbiter.DefaultMaxQueued
 }
 
 func (e *Enforcer) insertLocked(in *instance) {
@@ -552,39 +552,9 @@ func (e *Enforcer) applyPendingLocked() {
 	e.arb = e.newArbiter()
 }
 
-// handoff is how the grant moves between instances. Granting at once let
-// the previous holder's queued tail and the new holder's first work
-// interleave on a device that time-slices (a real GPU) or alternates
-// kernels between processes: every alternation idled the device for a
-// context switch (native-burst 1:3 under fakecuda's kernel model: 97.4 %
-// busy, the 3 at 72.6 %). A timed hand-off grants the new holder just
-// before the tail is estimated to end (docs/arbiter.md, "Interleaved
-// work"); the shim still charges whatever did interleave by its clean
-// estimate.
-const handoff = arbiter.HandoffTimed
-
-// maxQueued bounds each process's queued GPU work (the region's
-// max_queued_ns). 2 ms keeps the device fed through the wake-up latency of a
-// loaded host and still ends a slice within about 2 ms of its grant; with
-// 1 ms a queue of two 500 µs kernels drained between launches and accuracy
-// fell (docs/arbiter.md, "Production settings").
-const maxQueued = 2 * time.Millisecond
-
-// offlineMaxQueued bounds an offline instance's queued GPU work: what an
-// online instance that wakes may find ahead of its first kernel.
-const offlineMaxQueued = 500 * time.Microsecond
-
-// quantum is the longest hold before the arbiter re-decides under
-// fixed-share and guaranteed-burst-share (native-burst-share uses
-// compute_timeslice_native_burst). Every hand-off costs the previous
-// holder's queued tail; 20 ms keeps hand-offs to a few per period, and the
-// arbiter still reclaims a guaranteed share within 100 ms.
-const quantum = 20 * time.Millisecond
-
 func (e *Enforcer) newArbiter() *arbiter.Arbiter {
 	s := e.settings
-	c := arbiter.Config{Policy: s.ComputePolicy, Period: s.Period(), MaxQueued: maxQueued, Handoff: handoff, Quantum: quantum,
-		FillOneAtATime: s.OnlineOfflineSwitch == 2}
+	c := arbiter.Config{Policy: s.ComputePolicy, Period: s.Period(), FillOneAtATime: s.OnlineOfflineSwitch == 2}
 	if s.ComputePolicy == policy.NativeBurstShare {
 		c.Quantum = s.NativeSlice()
 	}

@@ -16,10 +16,10 @@ import (
 // loop is the arbitration loop: every tick it reads the instances' counters,
 // asks the arbiter who may submit work, and writes the grant words. While
 // any instance has demand or a grant it ticks at the arbiter's next decision
-// point (Arbiter.NextDecision: a quantum ending, a credit overtaking another
+// point (Arbiter.NextDecision: a slice ending, a virtual time overtaking another
 // or running out, a holder that may run dry), but no sooner than
-// o.activeTick after the previous tick (while a timed hand-off waits for a
-// tail: its grant time, at least minHandoffTick later) and no later than
+// o.activeTick after the previous tick (while the device may idle until
+// then, Arbiter.Urgent: at least minHandoffTick later) and no later than
 // o.maxActiveTick, so
 // that what the arbiter cannot foresee (an instance starting to wait, a
 // holder emptying its queue) is noticed within o.maxActiveTick. It ticks
@@ -76,8 +76,9 @@ func (e *Enforcer) loop(ctx context.Context) {
 // yielding first is cheaper, and does not cut a sleep short.
 const yieldEvery = 5 * time.Millisecond
 
-// minHandoffTick is the shortest interval between two ticks while a hand-off
-// waits for the previous holder's tail (arbiter.HandoffTimed).
+// minHandoffTick is the shortest interval between two ticks while the
+// device may idle until the next decision (arbiter.Urgent: a hand-off
+// waiting for a tail, the fill grace, a quiet holder's grace).
 const minHandoffTick = 20 * time.Microsecond
 
 // sleepUntil blocks the calling thread until CLOCK_MONOTONIC reaches at, or
@@ -269,11 +270,9 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 		if t := e.arb.NextDecision(); t-now < d { // Never-now does not overflow: now > 0
 			d = t - now
 		}
-		if e.arb.HandingOff() || e.arb.FillPending() {
-			// The next holder is granted just before the previous
-			// holder's tail is estimated to end (or, for a tail of
-			// long kernels, looked for every 250 µs): kept to within a
-			// wake-up, not a tick.
+		if e.arb.Urgent() {
+			// The device may idle until then (a hand-off's grant, the
+			// end of a grace): kept to within a wake-up, not a tick.
 			return max(d, minHandoffTick), true
 		}
 		return max(d, e.o.activeTick), true

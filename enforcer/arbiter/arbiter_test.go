@@ -20,7 +20,7 @@ func only(t *testing.T, got []int, want ...int) {
 func TestDefaults(t *testing.T) {
 	t.Parallel()
 	a := New(Config{})
-	if a.period != float64(DefaultPeriod) || a.quantum != DefaultQuantum || a.maxQueued != float64(DefaultMaxQueued) {
+	if a.period != float64(DefaultPeriod) || a.quantum != float64(DefaultQuantum) || a.bound != [2]float64{float64(DefaultMaxQueued), float64(DefaultOfflineMaxQueued)} {
 		t.Fatalf("defaults not applied: %+v", a)
 	}
 	if !a.fixed {
@@ -62,27 +62,31 @@ func TestMissingUsageHasNoDemand(t *testing.T) {
 	only(t, a.Tick(ms, nil))
 }
 
-func TestFixedShareNeedsCredit(t *testing.T) {
+func TestFixedShareBucket(t *testing.T) {
 	t.Parallel()
 	a := New(Config{Policy: policy.FixedShare})
 	a.Add(1, 50)
 	u := map[int]Usage{1: {Waiting: true}}
-	// Credit starts at 0; the entry threshold is the hysteresis
-	// (max(Quantum/5, 2*MaxQueued) = 2 ms), earned at 0.5 ms per ms.
-	for i := 0; i < 4; i++ {
-		only(t, a.Tick(time.Duration(i)*ms, u))
-	}
-	only(t, a.Tick(4*ms, u), 1)
-	if s := a.Stats(1); !s.Holding || s.Grants != 1 || s.Credit != 2*ms {
+	// The bucket starts with its entry, half a slice (10 ms).
+	only(t, a.Tick(0, u), 1)
+	if s := a.Stats(1); !s.Holding || s.Grants != 1 || s.Tokens != 10*ms {
 		t.Fatalf("stats %+v", s)
 	}
-	// It ran 3 ms of GPU work in the next tick: credit 2 + 0.5 - 3 < 0.
-	u[1] = Usage{GPUTime: 3 * ms, Launches: 60, Queued: ms}
-	only(t, a.Tick(5*ms, u))
+	// It runs back to back: the bucket (earning 0.5 ns per ns) runs out
+	// at 20 ms, and the holder loses the grant.
+	u[1] = Usage{GPUTime: 19 * ms, Launches: 190, Queued: ms}
+	only(t, a.Tick(19*ms, u), 1)
+	u[1] = Usage{GPUTime: 21 * ms, Launches: 210, Queued: ms}
+	only(t, a.Tick(21*ms, u))
 	s := a.Stats(1)
-	if s.Credit != -500*us || s.Used != 3*ms || s.Charged != 3*ms || s.Granted != ms {
+	if s.Tokens != -500*us || s.Used != 21*ms || s.Granted != 21*ms {
 		t.Fatalf("stats %+v", s)
 	}
+	// Waiting, it takes the grant back once its bucket holds its entry
+	// again, 21 ms later.
+	u[1] = Usage{GPUTime: 21 * ms, Launches: 210, Waiting: true}
+	only(t, a.Tick(41*ms, u))
+	only(t, a.Tick(42*ms+us, u), 1)
 }
 
 func TestBaselineAndCounterReset(t *testing.T) {
@@ -116,8 +120,8 @@ func TestAddUpdatesCoreAndClamps(t *testing.T) {
 	}
 }
 
-// TestFixedShareCap: an idle fixed-share instance banks at most
-// max(c/100*Period, Quantum) of credit.
+// TestFixedShareCap: an idle fixed-share instance's bucket fills to
+// max(c/100 · Period, slice) and no further.
 func TestFixedShareCap(t *testing.T) {
 	t.Parallel()
 	for _, c := range []int{1, 30, 100} {
@@ -126,30 +130,31 @@ func TestFixedShareCap(t *testing.T) {
 		for now := time.Duration(0); now <= 10*sec; now += 100 * ms {
 			a.Tick(now, map[int]Usage{1: {}})
 		}
-		want := max(time.Duration(c)*DefaultPeriod/100, DefaultQuantum)
-		if got := a.Stats(1).Credit; got != want {
-			t.Errorf("core %d: credit %v after 10s idle, want %v", c, got, want)
+		want := max(time.Duration(c)*DefaultPeriod/100, 2*DefaultQuantum/2, 2*DefaultMaxQueued)
+		if got := a.Stats(1).Tokens; got != want {
+			t.Errorf("core %d: bucket %v after 10s idle, want %v", c, got, want)
 		}
 	}
 }
 
-// TestBurstNoBanking: under the burst policies an instance without demand
-// earns nothing, so it returns from idle at the average, not ahead.
+// TestBurstNoBanking: under the burst policies an instance that was idle
+// joins at most one slice of lag behind the others: it does not bank the
+// time it left unused.
 func TestBurstNoBanking(t *testing.T) {
 	t.Parallel()
 	a := New(Config{Policy: policy.GuaranteedBurstShare})
 	a.Add(1, 30)
 	a.Add(2, 70)
 	var g1 time.Duration
-	for now := time.Duration(0); now < sec; now += ms {
+	only(t, a.Tick(0, map[int]Usage{1: {Waiting: true}, 2: {}}), 1)
+	for now := ms; now < sec; now += ms {
 		g1 += ms
-		a.Tick(now, map[int]Usage{1: {GPUTime: g1, Launches: uint64(now / us), Waiting: true}, 2: {}})
-		if c := a.Stats(2).Credit; c > 0 {
-			t.Fatalf("idle instance banked %v at %v", c, now)
-		}
+		a.Tick(now, map[int]Usage{1: {GPUTime: g1, Launches: uint64(now / us), Queued: ms}, 2: {}})
 	}
-	if s := a.Stats(1); s.Credit != 0 || !s.Holding {
-		t.Fatalf("lone demander %+v", s)
+	a.Tick(sec, map[int]Usage{1: {GPUTime: g1, Launches: uint64(sec / us), Queued: ms}, 2: {Waiting: true}})
+	i1, i2 := &a.inst[a.index[1]], &a.inst[a.index[2]]
+	if lag := time.Duration((i1.v - i2.v) * i2.w); lag > DefaultQuantum+us || lag < DefaultQuantum-us {
+		t.Fatalf("an instance back after 1 s idle has a lag of %v, want one slice (%v)", lag, DefaultQuantum)
 	}
 }
 
@@ -174,9 +179,16 @@ func TestHolderOfOneLongKernelIsNotDry(t *testing.T) {
 			t.Fatalf("at %v (its 8 ms kernel launched at 1 ms still runs): the grant went to %d", now, h)
 		}
 	}
+	// Dry 19 ms after its last launch with 8 ms queued: the grant goes
+	// to the waiting instance once 1's tail (at most its queue bound) has
+	// run.
 	a.Tick(20*ms, map[int]Usage{1: {Launches: 1, Queued: 8 * ms}, 2: {Waiting: true}})
+	if h, ok := a.Holder(); ok && h == 1 {
+		t.Fatalf("19 ms after its last launch with 8 ms queued: still the holder")
+	}
+	a.Tick(20*ms+DefaultMaxQueued, map[int]Usage{1: {Launches: 1, Queued: 8 * ms}, 2: {Waiting: true}})
 	if h, _ := a.Holder(); h != 2 {
-		t.Fatalf("19 ms after its last launch with 8 ms queued: holder %d, want the waiting instance", h)
+		t.Fatalf("a queue bound after 1 was called dry: holder %d, want the waiting instance", h)
 	}
 }
 
@@ -200,19 +212,20 @@ func TestStatsThrottled(t *testing.T) {
 
 // checkOps drives an arbiter with operations decoded from data and checks
 // its invariants after every tick:
-//   - at most one id is granted, and it is registered (never a removed one);
-//   - credits are finite and within [-Period, cap];
-//   - under fixed-share the holder has credit > 0;
-//   - under the burst policies with overlapping hand-offs, someone holds
-//     whenever an instance waits (work conservation);
+//   - at most one online and one offline id are granted, and they are
+//     registered (never a removed one);
+//   - virtual times and buckets are finite, buckets within [-Period, depth];
+//   - under fixed-share an online holder's bucket is positive;
+//   - under the burst policies someone holds whenever an online instance
+//     waits, unless a hand-off waits for a tail (Urgent);
+//   - NextDecision is after the tick;
 //   - per-instance accounting never goes negative.
 func checkOps(t *testing.T, data []byte) {
 	if len(data) < 2 {
 		return
 	}
 	p := policy.Policy(data[0] % 3)
-	mode := Handoff(data[1] % 4)
-	a := New(Config{Policy: p, Handoff: mode, Period: 20 * ms, Quantum: 3 * ms})
+	a := New(Config{Policy: p, Period: 20 * ms, Quantum: 3 * ms, FillOneAtATime: data[1]%2 == 0})
 	data = data[2:]
 	type ctr struct {
 		gpu, queued time.Duration
@@ -226,7 +239,11 @@ func checkOps(t *testing.T, data []byte) {
 		data = data[4:]
 		switch op {
 		case 0:
-			a.Add(id, int(x))
+			class := policy.Online
+			if y%4 == 0 {
+				class = policy.Offline
+			}
+			a.AddClass(id, int(x), class)
 			if ctrs[id] == nil {
 				ctrs[id] = &ctr{}
 			}
@@ -246,8 +263,8 @@ func checkOps(t *testing.T, data []byte) {
 				c.launches += uint64(r % 3)
 				c.queued = time.Duration(r%4) * 400 * us
 				w := r%2 == 0
-				waiting = waiting || w
-				usage[cid] = Usage{GPUTime: c.gpu, Queued: c.queued, Waiting: w, Launches: c.launches}
+				waiting = waiting || w && !a.inst[a.index[cid]].off
+				usage[cid] = Usage{GPUTime: c.gpu, Queued: c.queued, Waiting: w, Launches: c.launches, IdleSince: now - time.Duration(r%3)*us}
 			}
 			if y == 255 && len(ctrs) > 0 {
 				for cid := range ctrs { // a counter reset
@@ -256,31 +273,41 @@ func checkOps(t *testing.T, data []byte) {
 				}
 			}
 			got := a.Tick(now, usage)
-			if len(got) > 1 {
-				t.Fatalf("granted %v: more than one", got)
+			if len(got) > 2 {
+				t.Fatalf("granted %v: more than two", got)
 			}
 			if n := a.NextDecision(); n != Never && n <= now {
 				t.Fatalf("NextDecision %v at %v: not after the tick", n, now)
 			}
+			var classes [2]int
 			for _, g := range got {
 				if _, ok := ctrs[g]; !ok {
 					t.Fatalf("granted unregistered id %d", g)
 				}
-				if s := a.Stats(g); !s.Holding || (p == policy.FixedShare && s.Credit <= 0) {
+				in := &a.inst[a.index[g]]
+				if in.off {
+					classes[1]++
+				} else {
+					classes[0]++
+				}
+				if s := a.Stats(g); !s.Holding || (p == policy.FixedShare && !in.off && s.Tokens <= 0) {
 					t.Fatalf("holder %d: %+v", g, s)
 				}
 			}
-			if p != policy.FixedShare && mode == HandoffOverlap && waiting && len(got) == 0 {
-				t.Fatalf("burst policy left the device idle while an instance waits")
+			if classes[0] > 1 || classes[1] > 1 {
+				t.Fatalf("granted %v: two of one class", got)
+			}
+			if p != policy.FixedShare && waiting && classes[0] == 0 && !a.Urgent() {
+				t.Fatalf("burst policy left the device to nobody while an online instance waits: %+v tail %d %v on %+v", a.inst, a.tailFrom, a.tailEnd, a.on)
 			}
 			for cid := range ctrs {
 				in := &a.inst[a.index[cid]]
-				if math.IsNaN(in.credit) || math.IsInf(in.credit, 0) || in.credit < -a.period-1 || (a.fixed && in.credit > a.cap(in)+1) {
-					t.Fatalf("credit of %d out of range: %v", cid, in.credit)
+				if math.IsNaN(in.v) || math.IsInf(in.v, 0) || math.IsNaN(in.tokens) || a.fixed && !in.off && (in.tokens < -a.period-1 || in.tokens > a.depth(in)+1) {
+					t.Fatalf("state of %d out of range: v %v, bucket %v", cid, in.v, in.tokens)
 				}
 				s := in.st
-				if s.Used < 0 || s.Charged < 0 || s.Granted < 0 || s.Throttled < 0 || s.Charged > s.Used || in.discount < 0 {
-					t.Fatalf("accounting of %d: %+v discount %v", cid, s, in.discount)
+				if s.Used < 0 || s.Granted < 0 || s.Throttled < 0 {
+					t.Fatalf("accounting of %d: %+v", cid, s)
 				}
 			}
 		}
@@ -386,16 +413,17 @@ func BenchmarkTickNext64(b *testing.B) {
 // TestFixedShareHoldersThatLeaveIdle: instances whose holds leave part of
 // the device idle (an application that reads every step's result back lets
 // its queue run empty) still split the device by their cores under
-// fixed-share. The idle time is credit nobody can spend; it used to pile up
-// until the smallest cap stopped it, and the smallest instance lost all of
-// it: a 30 beside a 70 got 21 % of an H200, a 20 beside a 30 and a 50 11 %.
+// fixed-share. The idle time fills buckets, not anyone's place in line (it
+// used to pile up as credit until the smallest cap stopped it, and the
+// smallest instance lost all of it: a 30 beside a 70 got 21 % of an H200,
+// a 20 beside a 30 and a 50 11 %).
 func TestFixedShareHoldersThatLeaveIdle(t *testing.T) {
 	t.Parallel()
 	for _, cores := range [][]int{{30, 70}, {20, 30, 50}} {
 		t.Run(fmt.Sprint(cores), func(t *testing.T) {
 			t.Parallel()
 			// The enforcer's settings (enforcer/instance.go).
-			a := New(Config{Policy: policy.FixedShare, MaxQueued: 2 * ms, Handoff: HandoffTimed, Quantum: 20 * ms})
+			a := New(Config{Policy: policy.FixedShare})
 			usage := map[int]Usage{}
 			for i, c := range cores {
 				a.Add(i, c)

@@ -8,26 +8,21 @@ import (
 	"github.com/mgpu-dev/mgpu/internal/policy"
 )
 
-// enforcerSim is a sim with the enforcer's production settings (timed
-// hand-off, 2 ms queue bound, Quantum 20 ms, ticks at NextDecision 20 µs
-// to 4 ms apart, contended charging); the instances from off on are
-// offline, with the enforcer's offline queue bound.
+// enforcerSim is a sim in the production configuration; the instances
+// from off on are offline.
 func enforcerSim(pol policy.Policy, end time.Duration, off int, sp ...simSpec) *sim {
 	return enforcerSimFill(false, pol, end, off, sp...)
 }
 
 // offlineBound is the enforcer's offline queue bound.
-const offlineBound = 500 * us
+const offlineBound = DefaultOfflineMaxQueued
 
 // enforcerSimFill is enforcerSim with Config.FillOneAtATime (the
 // enforcer's online_offline_switch = 2).
 func enforcerSimFill(one bool, pol policy.Policy, end time.Duration, off int, sp ...simSpec) *sim {
-	cfg := Config{Policy: pol, Handoff: HandoffTimed, MaxQueued: 2 * ms, Quantum: 20 * ms, FillOneAtATime: one}
-	s := newSim(cfg, end, sp...)
-	s.wake = &wakeBounds{lo: 20 * us, hi: 4 * ms}
-	s.contended = true
+	s := newSim(Config{Policy: pol, FillOneAtATime: one}, end, sp...)
 	for i := off; i < len(sp); i++ {
-		s.setOffline(i, offlineBound)
+		s.setOffline(i)
 	}
 	return s
 }

@@ -2,6 +2,7 @@ package arbiter
 
 import (
 	"math/rand/v2"
+	"slices"
 	"time"
 
 	"github.com/mgpu-dev/mgpu/internal/policy"
@@ -26,18 +27,26 @@ import (
 //     in the region at the process's next flush (every simFlush, with a
 //     per-instance phase), so GPUTime lags by up to simFlush and Queued
 //     (submitted minus reported) over-estimates;
+//   - a process without the grant waits for it (Usage.Waiting) once its
+//     queue has drained: until then its thread waits for room in its own
+//     queue, as the shim's does;
 //   - a process whose work runs out synchronises once its queue drains: it
 //     then reports everything at once, and the time its queue emptied
 //     (Usage.IdleSince);
-//   - the enforcer ticks every 1 ms, or at jittered intervals, reads the
-//     regions, calls Arbiter.Tick and applies the grant at once; with
-//     sim.wake, at NextDecision within bounds, and also (no sooner than
-//     the lower bound after the previous tick) when a process the arbiter
-//     asks to wake it (Arbiter.Wake) starts submitting or goes idle.
+//   - the enforcer ticks as its loop does (enforcer/loop.go): at
+//     NextDecision, no sooner than DefaultTick after the previous tick
+//     (simUrgentTick while Arbiter.Urgent) and no later than simMaxTick,
+//     and when a process the arbiter asks to wake it (Arbiter.Wake)
+//     starts submitting or goes idle, no sooner than simWakeTick after the
+//     previous tick; with sim.jitter (a loaded host) each tick is late by
+//     up to 2 ms more.
 
 const (
-	simFlush = time.Millisecond
-	simBin   = time.Millisecond
+	simFlush      = time.Millisecond
+	simBin        = time.Millisecond
+	simUrgentTick = 20 * time.Microsecond // enforcer minHandoffTick
+	simMaxTick    = 4 * time.Millisecond  // enforcer maxActiveTick
+	simWakeTick   = 50 * time.Microsecond // enforcer minWakeTick
 )
 
 // workload says when an instance has GPU work to submit.
@@ -90,6 +99,50 @@ func (w *arrivals) next(now time.Duration) time.Duration {
 	return w.arrived + w.every
 }
 
+// steps is a training loop: a step of n kernels, then it synchronises (waits
+// for its queue to drain) and spends gap on the host before the next step.
+type steps struct {
+	n, left   int
+	gap       time.Duration
+	blocked   bool
+	resumeAt  time.Duration
+	init      bool
+	stepsDone int
+}
+
+func (w *steps) has(now time.Duration) bool {
+	if !w.init {
+		w.init, w.left = true, w.n
+	}
+	if w.blocked && w.resumeAt >= 0 && now >= w.resumeAt {
+		w.blocked, w.left = false, w.n
+	}
+	return !w.blocked
+}
+func (w *steps) consume(time.Duration) {
+	if w.left--; w.left <= 0 {
+		w.blocked, w.resumeAt = true, -1 // until the queue drains
+	}
+}
+func (w *steps) next(now time.Duration) time.Duration {
+	if w.blocked && w.resumeAt > now {
+		return w.resumeAt
+	}
+	return -1
+}
+
+// drained is called when the instance's queue drains: a blocked step
+// resumes gap later.
+func (w *steps) drained(now time.Duration) {
+	if w.blocked && w.resumeAt < 0 {
+		w.resumeAt = now + w.gap
+		w.stepsDone++
+	}
+}
+
+// drainer is a workload that waits for its queue to drain.
+type drainer interface{ drained(now time.Duration) }
+
 type simKernel struct {
 	inst          int
 	length        time.Duration
@@ -103,6 +156,7 @@ type simInst struct {
 	klen  time.Duration
 	work  workload
 	bound time.Duration // the shim's queue bound
+	off   bool          // offline class
 
 	granted    bool
 	fresh      bool          // granted at the last tick, nothing submitted since
@@ -113,6 +167,8 @@ type simInst struct {
 	phase      time.Duration
 	idleSince  time.Duration   // when its queue last drained with no work left (0: never)
 	latencies  []time.Duration // arrivals: from the last arrival to the drain that served it
+
+	stallUntil time.Duration
 
 	pending  []simReport
 	repGPU   time.Duration
@@ -133,28 +189,36 @@ type simSpec struct {
 }
 
 type sim struct {
-	arb       *Arbiter
-	insts     []*simInst
-	bound     time.Duration
-	end       time.Duration
-	jitter    bool        // ticks every 1..3 ms instead of 1 ms
-	wake      *wakeBounds // if set: ticks at NextDecision, bounded (the enforcer's loop)
-	contended bool        // charge a kernel that waited behind another's work its length at most
-	rng       *rand.Rand
-	fifo      []simKernel
-	running   bool
-	cur       simKernel
-	devEnd    time.Duration
-	nextTick  time.Duration
-	lastTick  time.Duration
-	wakes     int // ticks a process woke the enforcer for
-	usage     map[int]Usage
-	ticks     int
-	multi     int // ticks that returned more than one id
+	arb    *Arbiter
+	insts  []*simInst
+	bound  time.Duration
+	end    time.Duration
+	jitter bool // each tick up to 2 ms late (a loaded host)
+	// stalls: a process is descheduled after one kernel completion in
+	// stalls (0: never) for up to 3 ms (a loaded host): it refills its
+	// queue late, and may be called dry
+	stalls   int
+	rng      *rand.Rand
+	fifo     []simKernel
+	running  bool
+	cur      simKernel
+	devEnd   time.Duration
+	nextTick time.Duration
+	lastTick time.Duration
+	wakes    int // ticks a process woke the enforcer for
+	usage    map[int]Usage
+	ticks    int
+	multi    int // ticks that returned more than one id
 	// hand-offs: the other instances' work still to run on the device
 	// when a new holder submitted its first kernel (its summed wait)
 	handoffs int
 	ahead    time.Duration
+	// revokes: ticks that took the online grant from a holder with work
+	// still on the device, and that work summed
+	revokes     int
+	revokedTail time.Duration
+	// the most offline work an online kernel was submitted behind
+	offAhead time.Duration
 	onTick   func(now time.Duration, granted []int)
 	now      time.Duration
 }
@@ -166,9 +230,6 @@ func newSim(cfg Config, end time.Duration, specs ...simSpec) *sim {
 		end:   end,
 		rng:   rand.New(rand.NewPCG(1, 2)),
 		usage: make(map[int]Usage),
-	}
-	if cfg.MaxQueued > 0 {
-		s.bound = cfg.MaxQueued
 	}
 	bins := int(end/simBin) + 1
 	for i, sp := range specs {
@@ -187,10 +248,11 @@ func newSim(cfg Config, end time.Duration, specs ...simSpec) *sim {
 	return s
 }
 
-// setOffline makes instance i offline, with queue bound bound.
-func (s *sim) setOffline(i int, bound time.Duration) {
+// setOffline makes instance i offline, with the offline queue bound.
+func (s *sim) setOffline(i int) {
 	in := s.insts[i]
-	in.bound = bound
+	in.bound = DefaultOfflineMaxQueued
+	in.off = true
 	s.arb.AddClass(in.id, in.core, policy.Offline)
 }
 
@@ -203,6 +265,9 @@ func (s *sim) run() {
 		for _, in := range s.insts {
 			if n := in.work.next(s.now); n >= 0 && n < t {
 				t = n
+			}
+			if in.stallUntil > s.now && in.stallUntil < t {
+				t = in.stallUntil
 			}
 		}
 		if t >= s.end {
@@ -224,6 +289,9 @@ func (s *sim) run() {
 
 func (s *sim) submit(i int, now time.Duration) {
 	in := s.insts[i]
+	if now < in.stallUntil {
+		return
+	}
 	if in.inflightNs == 0 && in.work.has(now) && (in.granted || in.idleSince > 0) {
 		if busy, _ := s.arb.Wake(in.id); busy {
 			s.wakeUp(now)
@@ -235,6 +303,9 @@ func (s *sim) submit(i int, now time.Duration) {
 	}
 	for in.granted && in.work.has(now) && (in.inflightNs == 0 || in.inflightNs+in.klen <= bound) {
 		k := simKernel{inst: i, length: in.klen, submit: now, behind: s.workAhead(i, now) > 0}
+		if !in.off {
+			s.offAhead = max(s.offAhead, s.offlineAhead(now))
+		}
 		if in.fresh {
 			in.fresh = false
 			s.handoffs++
@@ -267,6 +338,35 @@ func (s *sim) workAhead(i int, now time.Duration) time.Duration {
 	return w
 }
 
+// workOf is instance i's work the device has still to run at now.
+func (s *sim) workOf(i int, now time.Duration) time.Duration {
+	var w time.Duration
+	if s.running && s.cur.inst == i {
+		w += s.devEnd - now
+	}
+	for _, k := range s.fifo {
+		if k.inst == i {
+			w += k.length
+		}
+	}
+	return w
+}
+
+// offlineAhead is the offline instances' work the device has still to run
+// at now.
+func (s *sim) offlineAhead(now time.Duration) time.Duration {
+	var w time.Duration
+	if s.running && s.insts[s.cur.inst].off {
+		w += s.devEnd - now
+	}
+	for _, k := range s.fifo {
+		if s.insts[k.inst].off {
+			w += k.length
+		}
+	}
+	return w
+}
+
 func (s *sim) startKernel(k simKernel, now time.Duration) {
 	k.start = now
 	s.cur = k
@@ -280,12 +380,15 @@ func (s *sim) complete(now time.Duration) {
 	s.addBusy(in, k.start, now)
 	in.executed += k.length
 	m := now - max(k.submit, in.lastEnd)
-	if s.contended && k.behind {
+	if k.behind { // the shim's contended charging
 		m = min(m, k.length)
 	}
 	in.measured += m
 	in.lastEnd = now
 	in.inflightNs -= k.length
+	if d, ok := in.work.(drainer); ok && in.inflightNs == 0 {
+		d.drained(now)
+	}
 	at := in.phase + ((now-in.phase+simFlush-1)/simFlush)*simFlush
 	if in.inflightNs == 0 && !in.work.has(now) {
 		if w, ok := in.work.(*arrivals); ok {
@@ -301,6 +404,9 @@ func (s *sim) complete(now time.Duration) {
 		}
 	}
 	in.pending = append(in.pending, simReport{at: at, measured: m, length: k.length})
+	if s.stalls > 0 && s.rng.IntN(s.stalls) == 0 {
+		in.stallUntil = now + time.Duration(s.rng.Int64N(int64(3*time.Millisecond)))
+	}
 	s.running = false
 	if len(s.fifo) > 0 {
 		n := s.fifo[0]
@@ -335,7 +441,7 @@ func (s *sim) tick(now time.Duration) {
 		s.usage[in.id] = Usage{
 			GPUTime:   in.repGPU,
 			Queued:    in.submitted - in.repDone,
-			Waiting:   in.work.has(now) && !in.granted,
+			Waiting:   in.work.has(now) && !in.granted && in.inflightNs == 0,
 			Launches:  in.launches,
 			IdleSince: in.idleSince,
 		}
@@ -349,8 +455,14 @@ func (s *sim) tick(now time.Duration) {
 	if s.onTick != nil {
 		s.onTick(now, g)
 	}
-	for _, in := range s.insts {
+	for i, in := range s.insts {
 		was := in.granted
+		if was && !in.off && !slices.Contains(g, in.id) {
+			if w := s.workOf(i, now); w > 0 {
+				s.revokes++
+				s.revokedTail += w
+			}
+		}
 		in.granted = false
 		for _, id := range g {
 			if id == in.id {
@@ -362,26 +474,20 @@ func (s *sim) tick(now time.Duration) {
 	for i := range s.insts {
 		s.submit(i, now)
 	}
-	switch {
-	case s.wake != nil:
-		s.nextTick = min(max(s.arb.NextDecision(), now+s.wake.lo), now+s.wake.hi)
-	case s.jitter:
-		s.nextTick = now + time.Millisecond + time.Duration(s.rng.Int64N(int64(2*time.Millisecond)))
-	default:
-		s.nextTick = now + time.Millisecond
+	lo := DefaultTick
+	if s.arb.Urgent() {
+		lo = simUrgentTick
+	}
+	s.nextTick = min(max(s.arb.NextDecision(), now+lo), now+simMaxTick)
+	if s.jitter {
+		s.nextTick += time.Duration(s.rng.Int64N(int64(2 * time.Millisecond)))
 	}
 }
 
-// wakeBounds bound the interval between two ticks driven by NextDecision.
-type wakeBounds struct{ lo, hi time.Duration }
-
 // wakeUp is a process waking the enforcer's loop at now: it ticks at once,
-// or the lower bound after its previous tick.
+// or simWakeTick after its previous tick.
 func (s *sim) wakeUp(now time.Duration) {
-	if s.wake == nil {
-		return
-	}
-	if t := max(now, s.lastTick+s.wake.lo); t < s.nextTick {
+	if t := max(now, s.lastTick+simWakeTick); t < s.nextTick {
 		s.nextTick = t
 		s.wakes++
 	}
@@ -395,6 +501,16 @@ func (s *sim) share(i int, from, to time.Duration) float64 {
 		sum += s.insts[i].busy[b]
 	}
 	return 100 * sum / float64(to-from)
+}
+
+// firstRun returns how long after from instance i first ran (bin-aligned).
+func (s *sim) firstRun(i int, from time.Duration) time.Duration {
+	for b := from / simBin; int(b) < len(s.insts[i].busy); b++ {
+		if s.insts[i].busy[b] > 0 {
+			return b*simBin - from
+		}
+	}
+	return s.end - from
 }
 
 // busy returns the device's busy percentage in [from, to).

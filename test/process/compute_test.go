@@ -49,6 +49,14 @@ func measureSharesOn(t *testing.T, nc harness.NodeConfig, loads []load, warm, wi
 // share (percent) over the window.
 func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, win time.Duration) ([]float64, float64) {
 	t.Helper()
+	shares, dev, _ := measureAll(t, nc, loads, warm, win)
+	return shares, dev
+}
+
+// measureAll is measureSharesDev that also returns each load's kernel
+// throughput (harness.KernelShare, percent of the window).
+func measureAll(t *testing.T, nc harness.NodeConfig, loads []load, warm, win time.Duration) ([]float64, float64, []float64) {
+	t.Helper()
 	p := nc.Policies[0]
 	n := newNode(t, nc)
 	secs := (warm + win + 5*time.Second).Seconds()
@@ -96,11 +104,13 @@ func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, w
 		hostErr = err
 	}
 	shares := make([]float64, len(procs))
+	kernels := make([]float64, len(procs))
 	for i, pr := range procs {
 		if !pr.Alive() {
 			t.Fatalf("workload %d ended during the window:\n%s", i, pr.Output())
 		}
 		shares[i] = harness.Share(a, b, 0, map[int]bool{pr.PID: true})
+		kernels[i] = harness.KernelShare(a, b, 0, map[int]bool{pr.PID: true})
 	}
 	dev := harness.Share(a, b, 0, nil)
 	// What the enforcer charged, beside what the device ran: where a share
@@ -121,7 +131,7 @@ func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, w
 	hand, idle := holderChanges(a, b)
 	t.Logf("%s shares over %v (device model %s): %v (device %.2f%%, %.0f hand-offs/s, %.0f idle spells/s; host CPU stolen by the hypervisor: %s)",
 		p, win, model, round(shares), dev, hand, idle, steal)
-	return shares, dev
+	return shares, dev, kernels
 }
 
 // holderChanges is how often device 0 passed from one process to another

@@ -171,3 +171,57 @@ func TestOnlineOfflineShares(t *testing.T) {
 		}
 	})
 }
+
+// TestSharesByThroughput: training loops that synchronise every 8 kernels
+// of 250 µs and spend 10 µs on the host (issue 32's "steps" rows), on a
+// device that spends 20 µs of its own before each kernel (so a loop alone
+// keeps it busy with kernels about 91 % of the time), under every device
+// model and every policy, judged as a user judges them: each instance's
+// kernel throughput beside the other divided by the same loop's throughput
+// alone, within ±2 points of its target; under the burst policies the two
+// add up to at least 98.
+//
+// Issue 32's acceptance, not met yet: beside each other two such loops keep
+// the device 96–97.5 % busy where one alone keeps it 99 %, and the larger
+// instance comes out 2–4 points short (docs/dev/issue32-wip.md). It runs
+// only with MGPU_KNOWN_GAPS=1, until that is fixed.
+func TestSharesByThroughput(t *testing.T) {
+	if os.Getenv("MGPU_KNOWN_GAPS") != "1" {
+		t.Skip("issue 32 is open: two step-synchronising loops lose 2-4 % of device time beside each other; MGPU_KNOWN_GAPS=1 runs this")
+	}
+	win := tol.Window()
+	step := saturating("launch", 250, 8, "--sync-every", "8", "--host-us", "10")
+	for _, model := range deviceModels() {
+		t.Run(model, func(t *testing.T) {
+			dev := model + "+gap:20us"
+			_, _, alone := measureAll(t, onModel(policy.NativeBurstShare, dev), []load{{100, step}}, time.Second, win)
+			t.Logf("alone: kernels ran %.2f%% of the time", alone[0])
+			if alone[0] <= 0 {
+				t.Fatal("no throughput alone")
+			}
+			for _, tc := range []struct {
+				p      policy.Policy
+				cores  [2]int
+				target [2]float64
+			}{
+				{policy.FixedShare, [2]int{30, 70}, [2]float64{30, 70}},
+				{policy.GuaranteedBurstShare, [2]int{30, 70}, [2]float64{30, 70}},
+				{policy.NativeBurstShare, [2]int{10, 30}, [2]float64{25, 75}},
+			} {
+				t.Run(tc.p.String(), func(t *testing.T) {
+					_, _, k := measureAll(t, onModel(tc.p, dev), []load{{tc.cores[0], step}, {tc.cores[1], step}}, time.Second, win)
+					var sum float64
+					for i := range k {
+						got := 100 * k[i] / alone[0]
+						sum += got
+						t.Logf("core %d: throughput %.2f%% of alone (target %.0f)", tc.cores[i], got, tc.target[i])
+						within(t, fmt.Sprintf("core %d: throughput against alone", tc.cores[i]), got, tc.target[i])
+					}
+					if tc.p != policy.FixedShare && sum < 98 {
+						t.Errorf("the throughput shares add up to %.2f, want >= 98 (burst policies, demand >= 100)", sum)
+					}
+				})
+			}
+		})
+	}
+}

@@ -1,0 +1,49 @@
+package arbiter
+
+import "time"
+
+// The offline pool (docs/arbiter.md §Algorithm, steps 7 and 9): arbitrated
+// as the online one, it holds (fills) only while the online pool is quiet.
+
+// fillAt is the time from which the offline pool may hold: the fill grace
+// after the online holder became quiet (the last Tick's time if none
+// holds); Never while the online holder is busy or another online instance
+// is a candidate (one held back by its bucket is not).
+func (a *Arbiter) fillAt() time.Duration {
+	at := a.last
+	if h := a.on.holder; h >= 0 {
+		q := a.inst[h].quietFrom
+		if q == Never {
+			return Never
+		}
+		at = max(at, q+DefaultFillGrace)
+	}
+	if a.contested {
+		return Never
+	}
+	return at
+}
+
+// Wake says when the enforcer wants to hear from online instance id's
+// processes at once rather than at its next Tick (mgpu_region.h): busy,
+// when one queues work or starts waiting (an offline instance fills beside
+// it and must stop); idle, when its queue empties (an offline instance, or
+// as its holder another online instance, waits for it to be done).
+func (a *Arbiter) Wake(id int) (busy, idle bool) {
+	i, ok := a.index[id]
+	if !ok || a.inst[i].off {
+		return false, false
+	}
+	if a.off.holder >= 0 {
+		return true, false
+	}
+	return false, a.inst[i].quietFrom == Never && (a.offWaits || a.on.holder == i && a.contested)
+}
+
+// OneAtATime reports whether instance id holds its grant only to keep one
+// kernel in flight (Config.FillOneAtATime, MGPU_GRANT_ONE): it fills
+// beside an online holder, which may get work at any moment.
+func (a *Arbiter) OneAtATime(id int) bool {
+	i, ok := a.index[id]
+	return ok && a.fillOne && i == a.off.holder && a.on.holder >= 0
+}
