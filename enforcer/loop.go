@@ -267,6 +267,11 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 		// inside it (ticking again for it cost a third of the ticks of
 		// 16 busy instances).
 		d := e.o.maxActiveTick
+		if e.arb.Contested() {
+			// The holder's going quiet is not reported (arbiter.Wake):
+			// looked for every tick.
+			d = e.o.activeTick
+		}
 		if t := e.arb.NextDecision(); t-now < d { // Never-now does not overflow: now > 0
 			d = t - now
 		}

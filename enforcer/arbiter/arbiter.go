@@ -8,8 +8,7 @@
 // instance holds the grant; the order is per-instance virtual time
 // (v += charged · 100 / core, the lowest v holds next, a holder keeps the
 // grant until it is a slice of its device time ahead); a fixed-share
-// instance's cap is a token
-// bucket, kept apart from the order; a holder that stops launching is dry
+// instance's cap is a token bucket, kept apart from the order; a holder that stops launching is dry
 // past one deadline; the grant moves by one timed hand-off; offline
 // instances are a second pool that fills the device while the online pool
 // is quiet. Files by concern: arbiter.go (state and observation),
@@ -20,6 +19,7 @@
 package arbiter
 
 import (
+	"cmp"
 	"math"
 	"time"
 
@@ -38,7 +38,7 @@ const (
 	DefaultOfflineMaxQueued = 500 * time.Microsecond
 	DefaultTick             = 1 * time.Millisecond
 	DefaultLead             = 100 * time.Microsecond // a hand-off's grant before the tail ends, at least (a wake-up)
-	DefaultFillGrace        = 50 * time.Microsecond  // the quiet grace: a holder's or the online pool's
+	DefaultFillGrace        = 200 * time.Microsecond // the quiet grace: a holder's or the online pool's
 )
 
 // Never is what NextDecision returns when it foresees no decision.
@@ -90,22 +90,20 @@ type instance struct {
 	off   bool    // offline pool
 	bound float64 // its queue bound, ns
 
-	seen         bool
-	lastGPU      time.Duration
-	lastLaunches uint64
-	queued       time.Duration
-	waiting      bool
-	launched     uint64        // launches since the previous tick
-	launchAt     time.Duration // estimated time of its last launch
-	quietFrom    time.Duration // since when nothing queued and nobody waits; Never: busy
-	demand       bool
-	joined       bool          // demand at this tick after none at the previous
-	idleFrom     time.Duration // the tick that first saw it without demand
+	seen, waiting   bool
+	lastGPU, queued time.Duration
+	lastLaunches    uint64
+	launched        uint64        // launches since the previous tick
+	launchAt        time.Duration // estimated time of its last launch
+	quietFrom       time.Duration // since when nothing queued and nobody waits; Never: busy
+	refilled        bool          // holding, one of its quiet spells ended in a launch (since its grant)
+	demand          bool
+	joined          bool          // demand at this tick after none at the previous
+	idleFrom        time.Duration // the tick that first saw it without demand
 
-	v      float64 // virtual time, ns / w
-	tokens float64 // fixed-share bucket, ns
-	kSum   float64 // decayed sums for the mean kernel
-	lSum   float64
+	v          float64 // virtual time, ns / w
+	tokens     float64 // fixed-share bucket, ns
+	kSum, lSum float64 // decayed sums for the mean kernel
 
 	st InstanceStats
 }
@@ -123,7 +121,7 @@ type pool struct {
 type Arbiter struct {
 	fixed     bool
 	period    float64
-	quantum   float64
+	quantum   float64    // the shortest slice
 	bound     [2]float64 // online, offline queue bounds
 	fillOne   bool
 	inst      []instance
@@ -140,12 +138,7 @@ type Arbiter struct {
 
 // New returns an arbiter for one device.
 func New(cfg Config) *Arbiter {
-	def := func(d, v time.Duration) float64 {
-		if d <= 0 {
-			return float64(v)
-		}
-		return float64(d)
-	}
+	def := func(d, v time.Duration) float64 { return float64(cmp.Or(max(d, 0), v)) }
 	return &Arbiter{
 		fixed:    cfg.Policy == policy.FixedShare || !cfg.Policy.Valid(),
 		period:   def(cfg.Period, DefaultPeriod),
@@ -332,8 +325,11 @@ func (a *Arbiter) observe(i int, usage map[int]Usage, dt, prev, now time.Duratio
 	if a.fixed && !in.off {
 		in.tokens = min(max(in.tokens+in.w*float64(dt)-c, -a.period), a.depth(in))
 	}
+	// A quiet spell of the holder seen at the previous tick, or reported
+	// since, ended in a launch: it refilled (Wake).
+	in.refilled = in.refilled || p.holder == i && in.launched > 0 && (in.quietFrom != Never || ok && u.IdleSince > prev)
 	in.quietFrom = quietFrom(in, u, ok, prev, now)
-	in.demand = in.waiting || (p.holder == i && !a.dry(in, p, now))
+	in.demand = in.waiting || (p.holder == i && now < a.dryAt(in, p)) // not dry
 	in.joined = in.demand && !had
 	if had && !in.demand {
 		in.idleFrom = now

@@ -9,14 +9,15 @@ import (
 // is dry, and when the next Tick could move a grant. NextDecision uses the
 // functions Tick decides with.
 
-// dryAt is the one dry deadline of pool p's holder in: from then on it has
-// stopped submitting (Never: it launched since the previous Tick and has
-// work queued). Quiet (nothing queued, nobody waiting): the quiet grace
-// after its queue emptied, so that a short host gap between two batches (a
-// step reading its loss back) does not count. Otherwise the longest of its kernel, its queue bound and
-// its reported queue (a holder that waits on its own queue launches at
-// least once per kernel while busy), with a quarter of margin and a tick,
-// after its last launch (or its grant plus the tail it was granted behind).
+// dryAt is the one dry deadline of pool p's holder in (Never: it launched
+// since the previous Tick and has work queued): it is dry from then on.
+// Quiet (nothing queued, nobody waiting): the quiet grace after its queue
+// emptied, so that a host gap between two batches (a step reading its loss
+// back) does not count.
+// Otherwise the longest of its kernel, its queue bound and its reported
+// queue (a holder that waits on its own queue launches at least once per
+// kernel while busy), with a quarter of margin and a tick, after its last
+// launch (or its grant plus the tail it was granted behind).
 func (a *Arbiter) dryAt(in *instance, p *pool) time.Duration {
 	switch {
 	case in.quietFrom != Never:
@@ -26,11 +27,6 @@ func (a *Arbiter) dryAt(in *instance, p *pool) time.Duration {
 	}
 	last := max(in.launchAt, p.start+p.grace)
 	return last + time.Duration(1.25*max(a.kernel(in), in.bound, float64(in.queued))) + DefaultTick
-}
-
-// dry reports whether pool p's holder in has stopped submitting at now.
-func (a *Arbiter) dry(in *instance, p *pool, now time.Duration) bool {
-	return now >= a.dryAt(in, p)
 }
 
 // NextDecision returns the earliest time after the last Tick at which a
@@ -63,6 +59,11 @@ func (a *Arbiter) Urgent() bool {
 	return !math.IsInf(a.handoffAfter(&a.on), 1) || !math.IsInf(a.fillNext(), 1) ||
 		h >= 0 && a.contested && a.inst[h].quietFrom != Never
 }
+
+// Contested reports whether an online candidate waits beside the holder,
+// whose going quiet Wake may not report: the caller then ticks at least
+// every DefaultTick.
+func (a *Arbiter) Contested() bool { return a.on.holder >= 0 && a.contested }
 
 // poolNext is NextDecision for pool p: ns after the last Tick, +Inf for none.
 func (a *Arbiter) poolNext(p *pool) float64 {

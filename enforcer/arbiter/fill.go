@@ -25,10 +25,10 @@ func (a *Arbiter) fillAt() time.Duration {
 }
 
 // Wake says when the enforcer wants to hear from online instance id's
-// processes at once rather than at its next Tick (mgpu_region.h): busy,
-// when one queues work or starts waiting (an offline instance fills beside
-// it and must stop); idle, when its queue empties (an offline instance, or
-// as its holder another online instance, waits for it to be done).
+// processes at once (mgpu_region.h): busy, when one queues work or starts
+// waiting (an offline instance fills beside it and must stop); idle, when
+// its queue empties while offline work waits, or while it holds contested
+// until a quiet spell of this hold ends in a launch (docs/arbiter.md step 9).
 func (a *Arbiter) Wake(id int) (busy, idle bool) {
 	i, ok := a.index[id]
 	if !ok || a.inst[i].off {
@@ -37,7 +37,8 @@ func (a *Arbiter) Wake(id int) (busy, idle bool) {
 	if a.off.holder >= 0 {
 		return true, false
 	}
-	return false, a.inst[i].quietFrom == Never && (a.offWaits || a.on.holder == i && a.contested)
+	in := &a.inst[i]
+	return false, in.quietFrom == Never && (a.offWaits || a.on.holder == i && a.contested && !in.refilled)
 }
 
 // OneAtATime reports whether instance id holds its grant only to keep one

@@ -42,6 +42,7 @@ func (a *Arbiter) grant(p *pool, i int, now time.Duration) {
 	}
 	a.tailFrom = -1
 	p.holder, p.start = i, now
+	a.inst[i].refilled = false
 	a.inst[i].st.Grants++
 }
 

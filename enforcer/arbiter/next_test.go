@@ -204,7 +204,8 @@ func TestNextDecisionFixedEntry(t *testing.T) {
 }
 
 // TestTickRate: with the enforcer's loop (sim_test.go) saturating
-// instances make it tick at most 700 times a second, plus, for kernels
+// instances make it tick at most once per DefaultTick (the loop looks at a
+// contested holder every tick: Arbiter.Contested), plus, for kernels
 // longer than half the queue bound, the polls for the end of a hand-off's
 // tail (one per longTailPoll of a kernel per hand-off).
 func TestTickRate(t *testing.T) {
@@ -219,7 +220,7 @@ func TestTickRate(t *testing.T) {
 				s := newSim(Config{Policy: p}, 5*sec, specs(core, k)...)
 				s.run()
 				perSec := float64(s.ticks) / 5
-				limit := 700.0
+				limit := float64(time.Second / DefaultTick)
 				if 2*k > DefaultMaxQueued {
 					limit += float64(s.handoffs) / 5 * float64(k/longTailPoll)
 				}

@@ -35,7 +35,8 @@ import (
 //     (Usage.IdleSince);
 //   - the enforcer ticks as its loop does (enforcer/loop.go): at
 //     NextDecision, no sooner than DefaultTick after the previous tick
-//     (simUrgentTick while Arbiter.Urgent) and no later than simMaxTick,
+//     (simUrgentTick while Arbiter.Urgent) and no later than simMaxTick
+//     (DefaultTick while Arbiter.Contested),
 //     and when a process the arbiter asks to wake it (Arbiter.Wake)
 //     starts submitting or goes idle, no sooner than simWakeTick after the
 //     previous tick; with sim.jitter (a loaded host) each tick is late by
@@ -478,7 +479,11 @@ func (s *sim) tick(now time.Duration) {
 	if s.arb.Urgent() {
 		lo = simUrgentTick
 	}
-	s.nextTick = min(max(s.arb.NextDecision(), now+lo), now+simMaxTick)
+	hi := simMaxTick
+	if s.arb.Contested() {
+		hi = DefaultTick
+	}
+	s.nextTick = min(max(s.arb.NextDecision(), now+lo), now+hi)
 	if s.jitter {
 		s.nextTick += time.Duration(s.rng.Int64N(int64(2 * time.Millisecond)))
 	}
