@@ -5,15 +5,15 @@
 // ticks again at NextDecision.
 //
 // The model is docs/arbiter.md §Algorithm, in brief: at most one online
-// instance holds the grant; the order is per-instance virtual time
-// (v += charged · 100 / core, the lowest v holds next, a holder keeps the
-// grant until it is a slice of its device time ahead); a fixed-share
-// instance's cap is a token bucket, kept apart from the order; a holder that stops launching is dry
-// past one deadline; the grant moves by one timed hand-off; offline
-// instances are a second pool that fills the device while the online pool
-// is quiet. Files by concern: arbiter.go (state and observation),
-// select.go (eligibility and selection), handoff.go, fill.go (the offline
-// pool and wake-ups), deadline.go (dry and NextDecision).
+// instance holds the grant; the order is per-instance virtual time (v +=
+// charged · 100 / core, the lowest v holds next, a holder keeps the grant
+// until it is a slice of its device time ahead); a fixed-share instance's
+// cap is a token bucket, kept apart from the order; a holder that stops
+// launching is dry past one deadline; the grant moves by one timed
+// hand-off; offline instances are a second pool that fills the device
+// while the online pool is quiet. Files by concern: arbiter.go (state
+// and observation), select.go (eligibility and selection), handoff.go,
+// fill.go (the offline pool and wake-ups), deadline.go (the deadlines).
 //
 // An Arbiter is not safe for concurrent use: the enforcer serialises calls.
 package arbiter

@@ -13,11 +13,11 @@ import (
 // since the previous Tick and has work queued): it is dry from then on.
 // Quiet (nothing queued, nobody waiting): the quiet grace after its queue
 // emptied, so that a host gap between two batches (a step reading its loss
-// back) does not count.
-// Otherwise the longest of its kernel, its queue bound and its reported
-// queue (a holder that waits on its own queue launches at least once per
-// kernel while busy), with a quarter of margin and a tick, after its last
-// launch (or its grant plus the tail it was granted behind).
+// back) does not count. Otherwise the longest of its kernel, its queue
+// bound and its reported queue (a holder that waits on its own queue
+// launches at least once per kernel while busy), with a quarter of margin
+// and a tick, after its last launch (or its grant plus the tail it was
+// granted behind).
 func (a *Arbiter) dryAt(in *instance, p *pool) time.Duration {
 	switch {
 	case in.quietFrom != Never:
