@@ -19,7 +19,7 @@ import (
 // point (Arbiter.NextDecision: a slice ending, a virtual time overtaking another
 // or running out, a holder that may run dry), but no sooner than
 // o.activeTick after the previous tick (while the device may idle until
-// then, Arbiter.Urgent: at least minHandoffTick later) and no later than
+// then, Arbiter.Urgent: at least minUrgentTick later) and no later than
 // o.maxActiveTick, so
 // that what the arbiter cannot foresee (an instance starting to wait, a
 // holder emptying its queue) is noticed within o.maxActiveTick. It ticks
@@ -76,10 +76,10 @@ func (e *Enforcer) loop(ctx context.Context) {
 // yielding first is cheaper, and does not cut a sleep short.
 const yieldEvery = 5 * time.Millisecond
 
-// minHandoffTick is the shortest interval between two ticks while the
+// minUrgentTick is the shortest interval between two ticks while the
 // device may idle until the next decision (arbiter.Urgent: a hand-off
 // waiting for a tail, the fill grace, a quiet holder's grace).
-const minHandoffTick = 20 * time.Microsecond
+const minUrgentTick = 20 * time.Microsecond
 
 // sleepUntil blocks the calling thread until CLOCK_MONOTONIC reaches at, or
 // a signal arrives.
@@ -278,7 +278,7 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 		if e.arb.Urgent() {
 			// The device may idle until then (a hand-off's grant, the
 			// end of a grace): kept to within a wake-up, not a tick.
-			return max(d, minHandoffTick), true
+			return max(d, minUrgentTick), true
 		}
 		return max(d, e.o.activeTick), true
 	case attached:

@@ -45,7 +45,7 @@ import (
 const (
 	simFlush      = time.Millisecond
 	simBin        = time.Millisecond
-	simUrgentTick = 20 * time.Microsecond // enforcer minHandoffTick
+	simUrgentTick = 20 * time.Microsecond // enforcer minUrgentTick
 	simMaxTick    = 4 * time.Millisecond  // enforcer maxActiveTick
 	simWakeTick   = 50 * time.Microsecond // enforcer minWakeTick
 )
