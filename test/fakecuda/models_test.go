@@ -485,8 +485,8 @@ func TestModelsOneProcess(t *testing.T) {
 				if v := num(t, m, "elapsed_ms"); v < 99 || v > 130 {
 					r.Errorf("event elapsed %.3f ms, want ~100", v)
 				}
-				if v := num(t, m, "ctxsync_ns"); v < 55e6 {
-					r.Errorf("cuCtxSynchronize returned after %.0f ns, want about 60 ms", v)
+				if v := num(t, m, "ctxsync_ns"); v < 60e6 {
+					r.Errorf("cuCtxSynchronize returned after %.0f ns, want >= 60 ms (two 30 ms kernels)", v)
 				}
 				m = Fields(e.run(0, filepath.Join(e.p.LibDir, "fctest"), "slice"))
 				v := num(t, m, "other_wait_us")
