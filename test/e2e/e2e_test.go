@@ -805,15 +805,30 @@ func TestShares(t *testing.T) {
 			// When the 70 resumes it takes its share back (how fast is
 			// test/process's TestGuaranteedBurstShare: containers change
 			// nothing in the enforcer and the shim).
+			// A 2 s window that misses is measured once more, the next 2 s
+			// (the containers run on): on the 2-vCPU CI machine a moment
+			// in which the host runs neither workload left the device
+			// 94.56 % busy in one such window (110 ms of nothing), where
+			// it keeps 99.5-99.9 %; a policy that is wrong misses both.
 			func(t *testing.T, e *env, rs []running) {
 				e.waitOutput(t, rs[1].id, "start mono_ns=", 20*time.Second)
-				shares, dev := e.measure(t, rs, 200*time.Millisecond, 2*time.Second)
-				t.Logf("after the 70 resumed: shares over 2s: %.2f (device %.2f%%)", shares, dev)
-				if shares[1] < 70-epsilon {
-					t.Errorf("the resumed 70 got %.2f%% of the device, want >= %.0f", shares[1], 70-epsilon)
+				misses := func() []string {
+					shares, dev := e.measure(t, rs, 200*time.Millisecond, 2*time.Second)
+					t.Logf("after the 70 resumed: shares over 2s: %.2f (device %.2f%%)", shares, dev)
+					var m []string
+					if shares[1] < 70-epsilon {
+						m = append(m, fmt.Sprintf("the resumed 70 got %.2f%% of the device, want >= %.0f", shares[1], 70-epsilon))
+					}
+					if shares[0] < 30-epsilon {
+						m = append(m, fmt.Sprintf("the 30 got %.2f%% once the 70 resumed, want >= %.0f", shares[0], 30-epsilon))
+					}
+					return m
 				}
-				if shares[0] < 30-epsilon {
-					t.Errorf("the 30 got %.2f%% once the 70 resumed, want >= %.0f", shares[0], 30-epsilon)
+				if m := misses(); len(m) > 0 {
+					t.Logf("the window missed: %s; measured once more", strings.Join(m, "; "))
+					for _, err := range misses() {
+						t.Error(err)
+					}
 				}
 			}},
 		{"native-burst-share 1:3", "native-burst-share", useCtr | useDocker, []load{saturating("1"), saturating("3")},

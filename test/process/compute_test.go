@@ -32,14 +32,14 @@ func saturating(api string, kernelUS, depth int, extra ...string) []string {
 // until they all launch, lets them settle for warm, and returns the share of
 // device time (percent) each achieved over the window, measured from the
 // simulated device's per-process busy time.
-func measureShares(t *testing.T, p policy.Policy, loads []load, warm, win time.Duration) []float64 {
+func measureShares(t testing.TB, p policy.Policy, loads []load, warm, win time.Duration) []float64 {
 	t.Helper()
 	return measureSharesOn(t, harness.NodeConfig{Policies: map[int]policy.Policy{0: p}}, loads, warm, win)
 }
 
 // measureSharesOn is measureShares on a node configured by nc (device 0's
 // policy from nc.Policies).
-func measureSharesOn(t *testing.T, nc harness.NodeConfig, loads []load, warm, win time.Duration) []float64 {
+func measureSharesOn(t testing.TB, nc harness.NodeConfig, loads []load, warm, win time.Duration) []float64 {
 	t.Helper()
 	shares, _ := measureSharesDev(t, nc, loads, warm, win)
 	return shares
@@ -47,7 +47,7 @@ func measureSharesOn(t *testing.T, nc harness.NodeConfig, loads []load, warm, wi
 
 // measureSharesDev is measureSharesOn that also returns the device's busy
 // share (percent) over the window.
-func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, win time.Duration) ([]float64, float64) {
+func measureSharesDev(t testing.TB, nc harness.NodeConfig, loads []load, warm, win time.Duration) ([]float64, float64) {
 	t.Helper()
 	shares, dev, _ := measureAll(t, nc, loads, warm, win)
 	return shares, dev
@@ -55,7 +55,7 @@ func measureSharesDev(t *testing.T, nc harness.NodeConfig, loads []load, warm, w
 
 // measureAll is measureSharesDev that also returns each load's kernel
 // throughput (harness.KernelShare, percent of the window).
-func measureAll(t *testing.T, nc harness.NodeConfig, loads []load, warm, win time.Duration) ([]float64, float64, []float64) {
+func measureAll(t testing.TB, nc harness.NodeConfig, loads []load, warm, win time.Duration) ([]float64, float64, []float64) {
 	t.Helper()
 	p := nc.Policies[0]
 	n := newNode(t, nc)
@@ -145,7 +145,7 @@ func holderChanges(a, b harness.Sample) (handoffs, idles float64) {
 }
 
 // stats0 is device 0's GET /v1/stats.
-func stats0(t *testing.T, n *harness.Node) []api.InstanceStats {
+func stats0(t testing.TB, n *harness.Node) []api.InstanceStats {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -158,7 +158,7 @@ func stats0(t *testing.T, n *harness.Node) []api.InstanceStats {
 
 // measured returns the GPU time the shims measured per attached process
 // (host pid), from device 0's enforcer.
-func measured(t *testing.T, n *harness.Node) map[int]uint64 {
+func measured(t testing.TB, n *harness.Node) map[int]uint64 {
 	t.Helper()
 	out := map[int]uint64{}
 	for _, in := range stats0(t, n) {
@@ -177,7 +177,7 @@ func round(v []float64) []string {
 	return out
 }
 
-func within(t *testing.T, what string, got, want float64) {
+func within(t testing.TB, what string, got, want float64) {
 	t.Helper()
 	if math.Abs(got-want) > epsilon {
 		t.Errorf("%s: %.2f%%, want %.0f ± %.0f", what, got, want, epsilon)
@@ -205,10 +205,12 @@ func TestFixedShare(t *testing.T) {
 		{"30 four threads one stream 50us / 70", []load{{30, saturating("launch", 50, 64, "--threads", "4")}, {70, saturating("launch", 200, 16)}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			shares := measureShares(t, policy.FixedShare, tc.loads, time.Second, win)
-			for i, l := range tc.loads {
-				within(t, fmt.Sprintf("instance %d (core %d)", i, l.core), shares[i], float64(l.core))
-			}
+			shareCase(t, func(t testing.TB) {
+				shares := measureShares(t, policy.FixedShare, tc.loads, time.Second, win)
+				for i, l := range tc.loads {
+					within(t, fmt.Sprintf("instance %d (core %d)", i, l.core), shares[i], float64(l.core))
+				}
+			})
 		})
 	}
 }
@@ -219,17 +221,19 @@ func TestFixedShare(t *testing.T) {
 func TestFixedShareASan(t *testing.T) {
 	nc := harness.NodeConfig{Policies: map[int]policy.Policy{0: policy.FixedShare}, ASan: true}
 	loads := []load{{30, saturating("launch", 200, 16, "--streams", "2", "--threads", "2")}, {70, saturating("launch", 100, 64, "--threads", "2")}}
-	shares := measureSharesOn(t, nc, loads, time.Second, tol.Window())
-	for i, l := range loads {
-		within(t, fmt.Sprintf("instance %d (core %d, ASan shim)", i, l.core), shares[i], float64(l.core))
-	}
+	shareCase(t, func(t testing.TB) {
+		shares := measureSharesOn(t, nc, loads, time.Second, tol.Window())
+		for i, l := range loads {
+			within(t, fmt.Sprintf("instance %d (core %d, ASan shim)", i, l.core), shares[i], float64(l.core))
+		}
+	})
 }
 
 func TestFixedShareLoneInstanceCapped(t *testing.T) {
-	forEachModel(t, testFixedShareLoneInstanceCapped)
+	forEachModelCase(t, testFixedShareLoneInstanceCapped)
 }
 
-func testFixedShareLoneInstanceCapped(t *testing.T, model string) {
+func testFixedShareLoneInstanceCapped(t testing.TB, model string) {
 	shares := measureSharesOn(t, onModel(policy.FixedShare, model), []load{{30, saturating("launch", 100, 64)}}, time.Second, tol.Window())
 	if shares[0] > 30+epsilon {
 		t.Errorf("a lone 30%% instance used %.2f%% of an otherwise idle GPU, want <= %.0f", shares[0], 30+epsilon)
@@ -240,7 +244,7 @@ func testFixedShareLoneInstanceCapped(t *testing.T, model string) {
 }
 
 func TestNativeBurstShare(t *testing.T) {
-	forEachModel(t, func(t *testing.T, model string) {
+	forEachModelCase(t, func(t testing.TB, model string) {
 		shares, dev := measureSharesDev(t, onModel(policy.NativeBurstShare, model), []load{{1, saturating("launch", 100, 64)}, {3, saturating("launch", 100, 64)}}, time.Second, tol.Window())
 		within(t, "weight 1", shares[0], 25)
 		within(t, "weight 3", shares[1], 75)
@@ -251,9 +255,9 @@ func TestNativeBurstShare(t *testing.T) {
 // TestGuaranteedBurstShare: 30/70 with the 70 idle → the 30 gets >= 95 % of
 // the device; when the 70 resumes it gets >= 68 % measured over
 // some 50 ms window ending by 100 ms after its first launch, and keeps it.
-func TestGuaranteedBurstShare(t *testing.T) { forEachModel(t, testGuaranteedBurstShare) }
+func TestGuaranteedBurstShare(t *testing.T) { forEachModelCase(t, testGuaranteedBurstShare) }
 
-func testGuaranteedBurstShare(t *testing.T, model string) {
+func testGuaranteedBurstShare(t testing.TB, model string) {
 	n := newNode(t, onModel(policy.GuaranteedBurstShare, model))
 	const idle = 4 * time.Second
 	sa, err := n.Shell(0, 30, 1024)

@@ -41,6 +41,14 @@ func forEachModel(t *testing.T, f func(t *testing.T, model string)) {
 	}
 }
 
+// forEachModelCase runs share case f (shareCase) as one subtest per device
+// model.
+func forEachModelCase(t *testing.T, f func(t testing.TB, model string)) {
+	forEachModel(t, func(t *testing.T, model string) {
+		shareCase(t, func(t testing.TB) { f(t, model) })
+	})
+}
+
 func onModel(p policy.Policy, model string) harness.NodeConfig {
 	return harness.NodeConfig{Policies: map[int]policy.Policy{0: p}, DeviceModel: model}
 }
@@ -74,12 +82,14 @@ func TestFixedShareUnderDeviceModels(t *testing.T) {
 	forEachModel(t, func(t *testing.T, model string) {
 		for _, tc := range cases {
 			t.Run(tc.name, func(t *testing.T) {
-				shares, _ := measureSharesDev(t, onModel(policy.FixedShare, model), tc.loads, time.Second, win)
-				for i, l := range tc.loads {
-					if d := shares[i] - float64(l.core); d > epsilon || d < -epsilon {
-						t.Errorf("instance %d (core %d, %s): %.2f%%, want %d ± %.0f", i, l.core, strings.Join(l.args, " "), shares[i], l.core, epsilon)
+				shareCase(t, func(t testing.TB) {
+					shares, _ := measureSharesDev(t, onModel(policy.FixedShare, model), tc.loads, time.Second, win)
+					for i, l := range tc.loads {
+						if d := shares[i] - float64(l.core); d > epsilon || d < -epsilon {
+							t.Errorf("instance %d (core %d, %s): %.2f%%, want %d ± %.0f", i, l.core, strings.Join(l.args, " "), shares[i], l.core, epsilon)
+						}
 					}
-				}
+				})
 			})
 		}
 	})
@@ -90,7 +100,7 @@ func TestFixedShareUnderDeviceModels(t *testing.T) {
 // 10 × 400 µs): each within ±2 and the device busy >= 97 %.
 func TestGuaranteedBurstBothBusy(t *testing.T) {
 	loads := []load{{30, saturating("launch", 500, 8)}, {70, saturating("graph", 400, 2, "--graph-nodes", "10")}}
-	forEachModel(t, func(t *testing.T, model string) {
+	forEachModelCase(t, func(t testing.TB, model string) {
 		shares, dev := measureSharesDev(t, onModel(policy.GuaranteedBurstShare, model), loads, time.Second, tol.Window())
 		within(t, "core 30", shares[0], 30)
 		within(t, "core 70", shares[1], 70)
@@ -98,7 +108,7 @@ func TestGuaranteedBurstBothBusy(t *testing.T) {
 	})
 }
 
-func busyAtLeast(t *testing.T, dev, floor float64) {
+func busyAtLeast(t testing.TB, dev, floor float64) {
 	t.Helper()
 	if dev < floor {
 		t.Errorf("device busy %.2f%% with total demand >= 100 %%, want >= %.0f", dev, floor)
@@ -130,7 +140,7 @@ func TestFixedShareSynchronisedSteps(t *testing.T) {
 		{"30 steps of 8 x 200us / 70 saturating", []load{{30, step(200)}, {70, saturating("launch", 200, 8)}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			forEachModel(t, func(t *testing.T, model string) {
+			forEachModelCase(t, func(t testing.TB, model string) {
 				shares, dev := measureSharesDev(t, onModel(policy.FixedShare, model), tc.loads, time.Second, tol.Window())
 				var sum float64
 				for _, s := range shares {
@@ -160,7 +170,7 @@ func TestOnlineOfflineShares(t *testing.T) {
 		{40, saturating("launch", 200, 16)},
 		{50, append([]string{"--class", "offline"}, saturating("launch", 200, 16)...)},
 	}
-	forEachModel(t, func(t *testing.T, model string) {
+	forEachModelCase(t, func(t testing.TB, model string) {
 		nc := onModel(policy.FixedShare, model)
 		nc.OnlineOffline = 1
 		shares, _ := measureSharesDev(t, nc, loads, time.Second, tol.Window())
@@ -209,17 +219,19 @@ func TestSharesByThroughput(t *testing.T) {
 				{policy.NativeBurstShare, [2]int{10, 30}, [2]float64{25, 75}},
 			} {
 				t.Run(tc.p.String(), func(t *testing.T) {
-					_, _, k := measureAll(t, onModel(tc.p, dev), []load{{tc.cores[0], step}, {tc.cores[1], step}}, time.Second, win)
-					var sum float64
-					for i := range k {
-						got := 100 * k[i] / alone[0]
-						sum += got
-						t.Logf("core %d: throughput %.2f%% of alone (target %.0f)", tc.cores[i], got, tc.target[i])
-						within(t, fmt.Sprintf("core %d: throughput against alone", tc.cores[i]), got, tc.target[i])
-					}
-					if tc.p != policy.FixedShare && sum < 98 {
-						t.Errorf("the throughput shares add up to %.2f, want >= 98 (burst policies, demand >= 100)", sum)
-					}
+					shareCase(t, func(t testing.TB) {
+						_, _, k := measureAll(t, onModel(tc.p, dev), []load{{tc.cores[0], step}, {tc.cores[1], step}}, time.Second, win)
+						var sum float64
+						for i := range k {
+							got := 100 * k[i] / alone[0]
+							sum += got
+							t.Logf("core %d: throughput %.2f%% of alone (target %.0f)", tc.cores[i], got, tc.target[i])
+							within(t, fmt.Sprintf("core %d: throughput against alone", tc.cores[i]), got, tc.target[i])
+						}
+						if tc.p != policy.FixedShare && sum < 98 {
+							t.Errorf("the throughput shares add up to %.2f, want >= 98 (burst policies, demand >= 100)", sum)
+						}
+					})
 				})
 			}
 		})
