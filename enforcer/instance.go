@@ -54,6 +54,10 @@ type instance struct {
 
 	lastGPU      uint64
 	lastLaunches uint64
+	// What the last tick read of the slots: queued ns (before the tail
+	// window) and whether a thread waited (missedWakeLocked).
+	readQueued  uint64
+	readWaiting bool
 
 	// Queued work is believed only of an instance that could have
 	// submitted it: the grant holder, or a recent one whose tail may still

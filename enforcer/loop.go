@@ -186,6 +186,7 @@ func (e *Enforcer) tickLocked(now time.Duration) (time.Duration, bool) {
 				idle = max(idle, c.idle)
 			}
 		}
+		in.readQueued, in.readWaiting = queued, u.Waiting
 		if queued > 0 && !e.mayHaveQueued(in, now) {
 			queued = 0
 		}

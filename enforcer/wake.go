@@ -11,11 +11,12 @@ import (
 	"github.com/mgpu-dev/mgpu/enforcer/region"
 )
 
-// The wake path (mgpu_region.h, MGPU_ATTACH_FLAG_WAKE): an online instance
-// beside an offline one must not wait for the loop's next tick, up to
-// maxActiveTick away, to have the offline instance stopped when it gets
-// work, nor to have the offline instance let in when its queue empties.
-// Its processes wake the loop instead, when the region's wake word asks
+// The wake path (mgpu_region.h, MGPU_ATTACH_FLAG_WAKE): what the arbiter
+// cannot foresee and must not learn of up to maxActiveTick late — new
+// demand from an instance that neither holds the grant nor was seen
+// waiting, a contested holder going quiet, an online instance beside an
+// offline one getting work or going quiet (docs/arbiter.md step 9) — its
+// processes report by waking the loop, when the region's wake word asks
 // them to: each instance has a SOCK_DGRAM socket pair, whose receiving end
 // only the enforcer holds (in an epoll set the active loop waits on) and
 // whose sending end the instance's processes get on request. A tenant can
@@ -23,8 +24,8 @@ import (
 // only keeps its own wake-ups from arriving), and what it sends is never
 // read as data: a wake-up makes the loop tick at once, but no sooner than
 // minWakeTick after the previous tick, and the datagrams are discarded at
-// that tick. The loop polls the set only while it is active (an offline
-// instance has demand or fills the device), and listens to an instance's
+// that tick. The loop polls the set only while it is active (an instance
+// has demand or holds the grant), and listens to an instance's
 // socket only while its wake word is set: a tenant that was not asked
 // cannot wake it at all, one that was and sends without pause makes it
 // tick every minWakeTick at most.
@@ -105,28 +106,36 @@ func (e *Enforcer) setWakeLocked(in *instance, word uint32) {
 
 // missedWakeLocked reports whether instance in, whose wake word this tick
 // changed from old to word, already did what the word asks to hear of:
-// got work (region.WakeBusy) or went quiet (region.WakeIdle) since its
-// slots were read at the start of the tick. Its processes read the word
-// after they store queued_ns or waiting, and the word is written before
-// this reads them (all sequentially consistent), so a change is either
-// sent on the socket or seen here; the loop then ticks again at once
-// instead of at its next decision, up to maxActiveTick later.
+// got work (region.WakeBusy: something queued where the tick read
+// nothing, or a thread waits where none did) or went quiet
+// (region.WakeIdle: nothing queued nor waiting where the tick read work)
+// since its slots were read at the start of the tick (readQueued,
+// readWaiting). Its processes read the word after they store queued_ns or
+// waiting, and the word is written before this reads them (all
+// sequentially consistent), so a change is either sent on the socket or
+// seen here; the loop then ticks again at once instead of at its next
+// decision, up to maxActiveTick later. What the tick read (a revoked
+// holder's tail, a quiet holder) is already known: no tick again for it.
 func (e *Enforcer) missedWakeLocked(in *instance, old, word uint32) bool {
 	busy := word&region.WakeBusy != 0 && old&region.WakeBusy == 0
 	idle := word&region.WakeIdle != 0 && old&region.WakeIdle == 0
 	if !busy && !idle {
 		return false
 	}
-	work := false
+	queued, waiting := false, false
 	for w, bits := range in.used {
 		for bits != 0 {
 			b := mathbits.TrailingZeros64(bits)
 			bits &= bits - 1
 			p := in.reg.Proc(w*64 + b)
-			work = work || p.QueuedNs.Load() > 0 || p.Waiting.Load() > 0
+			queued = queued || p.QueuedNs.Load() > 0
+			waiting = waiting || p.Waiting.Load() > 0
 		}
 	}
-	return busy && work || idle && !work
+	if busy {
+		return queued && in.readQueued == 0 || waiting && !in.readWaiting
+	}
+	return !queued && !waiting && (in.readQueued > 0 || in.readWaiting)
 }
 
 // closeWakeLocked closes instance in's pair (leaving the epoll set first,
@@ -143,17 +152,30 @@ func (e *Enforcer) closeWakeLocked(in *instance) {
 	}
 }
 
-// drainWakesLocked discards what the instances' processes sent.
+// drainWakesLocked discards what the instances' processes sent, from the
+// sockets the epoll set reports readable: those listened to (wake word set)
+// that hold a datagram, not every instance's (one receive each per woken
+// tick was most of the loop's system calls with 16 instances asked for
+// their first wait).
 func (e *Enforcer) drainWakesLocked() {
+	var evs [16]unix.EpollEvent
 	var b [8]byte
-	for _, in := range e.list {
-		if in.wakeRecv < 0 || in.reg.L().Wake.Load() == 0 {
-			continue // not listened to (a backlog wakes the loop once, when it is again)
+	// One pass per 16 instances at most: a tenant that sends without pause
+	// cannot keep the tick here.
+	for pass := 0; e.epfd >= 0 && pass <= len(e.list)/len(evs); pass++ {
+		n, err := unix.EpollWait(e.epfd, evs[:], 0)
+		if err != nil || n <= 0 {
+			return
 		}
-		for range wakeDrainMax {
-			if _, _, err := unix.Recvfrom(in.wakeRecv, b[:], unix.MSG_DONTWAIT); err != nil {
-				break
+		for _, ev := range evs[:n] {
+			for range wakeDrainMax {
+				if _, _, err := unix.Recvfrom(int(ev.Fd), b[:], unix.MSG_DONTWAIT); err != nil {
+					break
+				}
 			}
+		}
+		if n < len(evs) {
+			return
 		}
 	}
 }

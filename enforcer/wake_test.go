@@ -212,17 +212,23 @@ func TestMissedWake(t *testing.T) {
 	for _, tc := range []struct {
 		what          string
 		old, word     uint32
-		queued, waits uint64
+		readQueued    uint64 // what the tick read
+		readWaits     bool
+		queued, waits uint64 // what the slots hold when the word is written
 		want          bool
 	}{
-		{"asked to report work, it has work", 0, region.WakeBusy, 200_000, 0, true},
-		{"asked to report work, a thread waits", 0, region.WakeBusy, 0, 1, true},
-		{"asked to report work, it has none", 0, region.WakeBusy, 0, 0, false},
-		{"asked to report going quiet, it is quiet", 0, region.WakeIdle, 0, 0, true},
-		{"asked to report going quiet, it works", 0, region.WakeIdle, 200_000, 0, false},
-		{"already asked", region.WakeBusy, region.WakeBusy, 200_000, 0, false},
-		{"asked nothing", region.WakeBusy, 0, 200_000, 0, false},
+		{"asked to report work, it got work since the read", 0, region.WakeBusy, 0, false, 200_000, 0, true},
+		{"asked to report work, a thread started waiting since", 0, region.WakeBusy, 0, false, 0, 1, true},
+		{"asked to report work, it has none", 0, region.WakeBusy, 0, false, 0, 0, false},
+		{"asked to report work, it had it when read (a revoked tail)", 0, region.WakeBusy, 200_000, false, 200_000, 0, false},
+		{"asked to report work, it waited when read", 0, region.WakeBusy, 0, true, 0, 1, false},
+		{"asked to report going quiet, it went quiet since the read", 0, region.WakeIdle, 200_000, false, 0, 0, true},
+		{"asked to report going quiet, it was quiet when read", 0, region.WakeIdle, 0, false, 0, 0, false},
+		{"asked to report going quiet, it works", 0, region.WakeIdle, 200_000, false, 200_000, 0, false},
+		{"already asked", region.WakeBusy, region.WakeBusy, 0, false, 200_000, 0, false},
+		{"asked nothing", region.WakeBusy, 0, 0, false, 200_000, 0, false},
 	} {
+		on.readQueued, on.readWaiting = tc.readQueued, tc.readWaits
 		p.QueuedNs.Store(tc.queued)
 		p.Waiting.Store(uint32(tc.waits)) //nolint:gosec // small
 		if got := e.missedWakeLocked(on, tc.old, tc.word); got != tc.want {

@@ -60,10 +60,15 @@ func (a *Arbiter) Urgent() bool {
 		h >= 0 && a.contested && a.inst[h].quietFrom != Never
 }
 
-// Contested reports whether an online candidate waits beside the holder,
-// whose going quiet Wake may not report: the caller then ticks at least
-// every DefaultTick.
-func (a *Arbiter) Contested() bool { return a.on.holder >= 0 && a.contested }
+// Contested reports whether an online candidate waits beside a holder
+// whose going quiet Wake no longer reports (one of its quiet spells ended
+// in a launch during this hold, step 9): the caller then ticks at least
+// every DefaultTick. A holder that has not refilled is asked for its
+// queue emptying and needs no such poll.
+func (a *Arbiter) Contested() bool {
+	h := a.on.holder
+	return h >= 0 && a.contested && !a.offWaits && a.inst[h].refilled
+}
 
 // poolNext is NextDecision for pool p: ns after the last Tick, +Inf for none.
 func (a *Arbiter) poolNext(p *pool) float64 {

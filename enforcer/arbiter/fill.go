@@ -26,18 +26,21 @@ func (a *Arbiter) fillAt() time.Duration {
 
 // Wake says when the enforcer wants to hear from online instance id's
 // processes at once (mgpu_region.h): busy, when one queues work or starts
-// waiting (an offline instance fills beside it and must stop); idle, when
-// its queue empties while offline work waits, or while it holds contested
-// until a quiet spell of this hold ends in a launch (docs/arbiter.md step 9).
+// waiting, while an offline instance fills (it must stop) or id neither
+// holds nor was seen waiting (its demand is new: the holder may be quiet
+// and hand on at once, and a joiner's place is taken then, not up to a
+// tick later); idle, when its queue empties while offline work waits, or
+// while it holds contested until a quiet spell of this hold ends in a
+// launch (docs/arbiter.md step 9).
 func (a *Arbiter) Wake(id int) (busy, idle bool) {
 	i, ok := a.index[id]
 	if !ok || a.inst[i].off {
 		return false, false
 	}
-	if a.off.holder >= 0 {
+	in := &a.inst[i]
+	if a.off.holder >= 0 || a.on.holder != i && !in.demand {
 		return true, false
 	}
-	in := &a.inst[i]
 	return false, in.quietFrom == Never && (a.offWaits || a.on.holder == i && a.contested && !in.refilled)
 }
 

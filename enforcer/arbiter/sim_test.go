@@ -160,6 +160,7 @@ type simInst struct {
 	off   bool          // offline class
 
 	granted    bool
+	waits      bool          // a thread waits for the grant (it has work, none in flight)
 	fresh      bool          // granted at the last tick, nothing submitted since
 	inflightNs time.Duration // real, known to the shim
 	submitted  time.Duration // sum of kernel lengths submitted (the shim's estimate)
@@ -293,8 +294,12 @@ func (s *sim) submit(i int, now time.Duration) {
 	if now < in.stallUntil {
 		return
 	}
-	if in.inflightNs == 0 && in.work.has(now) && (in.granted || in.idleSince > 0) {
-		if busy, _ := s.arb.Wake(in.id); busy {
+	if in.inflightNs == 0 && in.work.has(now) {
+		// The shim's busy wake: its queue rises from 0 (granted), or a
+		// thread starts waiting for the grant (once per wait).
+		start := in.granted || !in.waits
+		in.waits = !in.granted
+		if busy, _ := s.arb.Wake(in.id); busy && start {
 			s.wakeUp(now)
 		}
 	}

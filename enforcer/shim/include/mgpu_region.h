@@ -166,10 +166,11 @@ typedef struct mgpu_control {
     /* When the enforcer wants this instance's processes to wake it at once
      * (a write to the instance's wake socket, MGPU_ATTACH_FLAG_WAKE) rather
      * than wait for its next tick: MGPU_WAKE_BUSY when queued_ns rises
-     * from 0 or a thread starts waiting for the grant (an offline instance
-     * fills the device beside this one, and must stop), MGPU_WAKE_IDLE
-     * when queued_ns falls to 0 (an offline instance waits for this one to
-     * be quiet).  0: no wake wanted. */
+     * from 0 or a thread starts waiting for the grant (this instance does
+     * not hold it: its demand is new, or an offline instance fills the
+     * device and must stop), MGPU_WAKE_IDLE when queued_ns falls to 0
+     * (an offline instance waits for this one to be quiet, or it holds
+     * contested: docs/arbiter.md step 9).  0: no wake wanted. */
     MGPU_ATOMIC(uint32_t) wake;
     /* The taken slots, bit i%64 of used[i/64] for slot i (see the
      * concurrency rules above): what a process sums its instance's memory

@@ -890,7 +890,7 @@ static __attribute__((noinline)) void wait_grant(struct mgpu_dev *d)
     pthread_mutex_unlock(&mgpu_acct_mu);
     atomic_fetch_add(&d->slot->waiting, 1); /* before the word: see set_queued */
     if (atomic_load(&d->region->wake) & MGPU_WAKE_BUSY)
-        mgpu_wake(d); /* an offline instance fills the device: it must stop */
+        mgpu_wake(d); /* new demand: the holder may be quiet, an offline filler must stop */
     uint64_t t0 = now_ns();
     int draining = 1;
     while (atomic_load(&d->region->grant) == 0) {
