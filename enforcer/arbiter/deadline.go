@@ -60,11 +60,9 @@ func (a *Arbiter) Urgent() bool {
 		h >= 0 && a.contested && a.inst[h].quietFrom != Never
 }
 
-// Contested reports whether an online candidate waits beside a holder
-// whose going quiet Wake no longer reports (one of its quiet spells ended
-// in a launch during this hold, step 9): the caller then ticks at least
-// every DefaultTick. A holder that has not refilled is asked for its
-// queue emptying and needs no such poll.
+// Contested reports whether an online candidate waits beside a holder that
+// refilled (step 9), whose going quiet Wake no longer reports: the caller
+// then ticks at least every DefaultTick.
 func (a *Arbiter) Contested() bool {
 	h := a.on.holder
 	return h >= 0 && a.contested && !a.offWaits && a.inst[h].refilled

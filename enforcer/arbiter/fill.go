@@ -10,28 +10,22 @@ import "time"
 // holds); Never while the online holder is busy or another online instance
 // is a candidate (one held back by its bucket is not).
 func (a *Arbiter) fillAt() time.Duration {
-	at := a.last
-	if h := a.on.holder; h >= 0 {
-		q := a.inst[h].quietFrom
-		if q == Never {
-			return Never
-		}
-		at = max(at, q+DefaultFillGrace)
-	}
-	if a.contested {
+	h := a.on.holder
+	switch {
+	case a.contested || h >= 0 && a.inst[h].quietFrom == Never:
 		return Never
+	case h >= 0:
+		return max(a.last, a.inst[h].quietFrom+DefaultFillGrace)
 	}
-	return at
+	return a.last
 }
 
 // Wake says when the enforcer wants to hear from online instance id's
 // processes at once (mgpu_region.h): busy, when one queues work or starts
 // waiting, while an offline instance fills (it must stop) or id neither
-// holds nor was seen waiting (its demand is new: the holder may be quiet
-// and hand on at once, and a joiner's place is taken then, not up to a
-// tick later); idle, when its queue empties while offline work waits, or
-// while it holds contested until a quiet spell of this hold ends in a
-// launch (docs/arbiter.md step 9).
+// holds nor was seen waiting (new demand); idle, when its queue empties
+// while offline work waits, or while it holds contested until a quiet
+// spell of this hold ends in a launch (docs/arbiter.md step 9).
 func (a *Arbiter) Wake(id int) (busy, idle bool) {
 	i, ok := a.index[id]
 	if !ok || a.inst[i].off {
