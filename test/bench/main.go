@@ -11,6 +11,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"os"
 	"os/exec"
@@ -50,7 +51,8 @@ type bench struct {
 	hookN                                  int
 	models                                 []string // device models of the share section
 	// serveSecs is how long the priority section serves requests on each
-	// side (alone, beside the offline instance), in turns of priorityTurn.
+	// side (alone, beside the offline instance, beside an online
+	// neighbour), in turns of priorityTurn.
 	serveSecs float64
 }
 
@@ -71,7 +73,7 @@ func main() {
 	allocRounds := flag.Int("alloc-rounds", 9, "interleaved rounds of each allocation overhead")
 	startRounds := flag.Int("start-rounds", 15, "interleaved rounds of each process start (attach) overhead")
 	win := flag.Duration("window", 4*time.Second, "measurement window of each share case")
-	serve := flag.Duration("serve", 20*time.Second, "time the priority section serves requests on each side (alone, beside the offline instance), in turns of 1s")
+	serve := flag.Duration("serve", 20*time.Second, "time the priority section serves requests on each side (alone, beside the offline instance, beside an online neighbour), in turns of 1s")
 	models := flag.String("models", strings.Join(benchModels, ","), "comma-separated simulated device models of the share and priority sections (slice, timer:1ms, timer:2ms, kernel)")
 	reportOnly := flag.Bool("report-only", false, "report every figure and the verdict, but exit 0 when figures are over their budget")
 	flag.Parse()
@@ -835,19 +837,28 @@ func (b *bench) hookCost() error {
 	return nil
 }
 
-// priority is online/offline co-location (issue 18): an online instance
-// serving requests (a burst of 10 kernels of 200 µs every 5 ms: 40 % of
-// the device) alone, and beside a saturating offline instance (kernels of
-// 200 µs), on a device of fixed-share with online_offline_switch 1 and 2,
-// under each device model. One server runs throughout and the offline
-// instance is started and killed every second beside it, b.serveSecs a
-// side (about 3,800 requests each at the default 20 s); each request
-// counts on the side its arrival falls in, so that the machine's slow
-// spells, which last seconds and make several requests in a row late,
-// weigh on both sides alike. It reports the online request latency's p50,
-// p90 and p99 on both sides and their ratios, the offline instance's part
-// of the device time the online one leaves idle, and the device's busy
-// time (both over the turns beside).
+// priority is online/offline co-location (issues 18 and 35): an online
+// instance serving requests (a burst of 10 kernels of 200 µs every 5 ms:
+// 40 % of the device) alone, beside a saturating offline instance (kernels
+// of 200 µs), and beside a saturating online neighbour of fixed-share 40
+// (the same kernels), on a device of fixed-share with
+// online_offline_switch 1 and 2, under each device model. One server runs
+// throughout and the other instance is started and killed every second
+// beside it, b.serveSecs a side (about 3,800 requests each at the default
+// 20 s); each request counts on the side its arrival falls in, so that the
+// machine's slow spells, which last seconds, weigh on every side alike.
+//
+// What mgpu controls is measured on the device's own timeline (fakecuda's
+// record of kernel runs): for each request, the device time the other
+// instance's kernels ran between the request's first launch and the end of
+// its last kernel (priority_..._delay_...: p50, p99, max), with the bound
+// docs/arbiter.md states for the offline side at p99; the offline
+// instance's part of the device time the server leaves idle and the
+// device's busy time (budgets under switch 1; switch 2's trade-off is
+// reported). Beside them, the request latency by the server's own clock
+// (p50, p90, p99 and the ratios to alone), which includes how the host
+// schedules the simulated device's and the workloads' threads on its two
+// CPUs: reported, not judged.
 func (b *bench) priority() error {
 	// online_offline_switch 1 (offline instances keep their queue bound)
 	// and 2 (latency first: one offline kernel in flight beside an online
@@ -868,26 +879,44 @@ func (b *bench) priority() error {
 			if err != nil {
 				return fmt.Errorf("online_offline_switch %d, model %s: %w", sw, m, err)
 			}
+			ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
+			bound := harness.OfflineDelayBound(sw, priorityKernel)
+			for i, p := range []string{"p50", "p99", "max"} {
+				g := info("(device timeline)")
+				if p == "p99" {
+					g = atMost(ms(bound), "(device timeline; docs/arbiter.md)")
+				}
+				b.report(pre+"offline_delay_"+p+"_"+name, ms(res.delay[0][i]), "ms", g)
+			}
+			for i, p := range []string{"p50", "p99", "max"} {
+				b.report(pre+"neighbour_delay_"+p+"_"+name, ms(res.delay[1][i]), "ms", info("(device timeline; an online fixed-share 40 in place of the offline instance)"))
+			}
+			b.report(pre+"requests_beside_offline_"+name, float64(res.n[1]), "requests", info(""))
+			b.report(pre+"requests_beside_neighbour_"+name, float64(res.n[2]), "requests", info(""))
+			fill, busy := atLeast(80, ""), atLeast(95, "")
+			if sw == 2 {
+				fill, busy = info("(switch 2's trade-off)"), info("(switch 2's trade-off)")
+			}
+			b.report(pre+"offline_of_idle_"+name, res.offlineOfIdle, "%", fill)
+			b.report(pre+"device_busy_"+name, res.busy, "%", busy)
 			for i, p := range []string{"p50", "p90", "p99"} {
-				b.report(pre+"online_"+p+"_alone_"+name, res.alone[i], "ms", info(""))
-				b.report(pre+"online_"+p+"_beside_offline_"+name, res.beside[i], "ms", info(""))
+				b.report(pre+"online_"+p+"_alone_"+name, res.alone[i], "ms", info("(host clock)"))
+				b.report(pre+"online_"+p+"_beside_offline_"+name, res.beside[i], "ms", info("(host clock)"))
 			}
 			b.report(pre+"online_requests_alone_"+name, float64(res.n[0]), "requests", info(""))
-			b.report(pre+"online_requests_beside_offline_"+name, float64(res.n[1]), "requests", info(""))
-			b.report(pre+"online_p50_ratio_"+name, res.beside[0]/res.alone[0], "x", info(""))
-			b.report(pre+"online_p99_ratio_"+name, res.beside[2]/res.alone[2], "x", atMost(1.10, ""))
-			b.report(pre+"offline_of_idle_"+name, res.offlineOfIdle, "%", atLeast(80, ""))
-			b.report(pre+"device_busy_"+name, res.busy, "%", atLeast(95, ""))
+			b.report(pre+"online_p50_ratio_"+name, res.beside[0]/res.alone[0], "x", info("(host clock: includes the host's scheduling)"))
+			b.report(pre+"online_p99_ratio_"+name, res.beside[2]/res.alone[2], "x", info("(host clock: includes the host's scheduling)"))
 		}
 	}
 	return nil
 }
 
 type priorityResult struct {
-	alone, beside [3]float64 // p50, p90, p99 (ms)
-	n             [2]int     // requests alone, beside
-	offlineOfIdle float64    // percent of the time the online instance leaves
-	busy          float64    // percent
+	alone, beside [3]float64          // host clock: p50, p90, p99 (ms)
+	delay         [2][3]time.Duration // device timeline, beside offline and beside the neighbour: p50, p99, max
+	n             [3]int              // requests alone, beside offline, beside the neighbour
+	offlineOfIdle float64             // percent of the time the online instance leaves
+	busy          float64             // percent
 }
 
 // serveLatency matches one request's latency in mgpu-workload serve --raw.
@@ -907,14 +936,14 @@ func (b *bench) priorityCase(n *harness.Node) (priorityResult, error) {
 	if err := n.StartEnforcer(0); err != nil {
 		return r, err
 	}
-	// One server runs throughout; the offline instance comes and goes
-	// every priorityTurn, and each request counts on the side its arrival
-	// falls in. Turns this short let the machine's slow spells (seconds
-	// long) fall on both sides alike.
+	// One server runs throughout; the other instance comes and goes every
+	// priorityTurn, and each request counts on the side its arrival falls
+	// in. Turns this short let the machine's slow spells (seconds long)
+	// fall on every side alike.
 	turns := max(1, int(math.Ceil(b.serveSecs/priorityTurn.Seconds())))
-	limit := float64(turns)*2*(priorityTurn.Seconds()+3) + 10 // a bound only: SIGTERM ends it
+	limit := float64(turns)*3*(priorityTurn.Seconds()+3) + 10 // a bound only: SIGTERM ends it
 	srv, err := n.Start(harness.RunSpec{Device: 0, Core: 60, MemoryMiB: 1024, Class: "online",
-		Args: []string{"serve", "--kernel-us", "200", "--burst", "10", "--period-ms", strconv.Itoa(priorityPeriodMs),
+		Args: []string{"serve", "--kernel-us", strconv.Itoa(int(priorityKernel.Microseconds())), "--burst", "10", "--period-ms", strconv.Itoa(priorityPeriodMs),
 			"--seconds", strconv.FormatFloat(limit, 'f', 0, 64), "--raw"}})
 	if err != nil {
 		return r, err
@@ -929,46 +958,71 @@ func (b *bench) priorityCase(n *harness.Node) (priorityResult, error) {
 	if err := srv.WaitStarted(20 * time.Second); err != nil {
 		return r, err
 	}
+	srvPids := srv.Pids()
 	t0, err := startMono(srv.Output())
 	if err != nil {
 		return r, err
 	}
-	var alone, beside []window
+	log, err := n.FollowKernels(0)
+	if err != nil {
+		return r, err
+	}
+	defer func() { _, _ = log.Stop() }()
+	var alone, beside, nextTo []window
+	offPids, nbPids := map[int]bool{}, map[int]bool{}
 	var on, off, busy float64
+	// side runs the other instance for one turn and returns its processes
+	// and the window.
+	side := func(spec harness.RunSpec, measure bool) (map[int]bool, window, error) {
+		job, err := n.Start(spec)
+		if err != nil {
+			return nil, window{}, err
+		}
+		defer func() {
+			job.Kill()
+			_ = job.Wait()
+		}()
+		if err := job.WaitStarted(20 * time.Second); err != nil {
+			return nil, window{}, err
+		}
+		a, err := n.Sample()
+		if err != nil {
+			return nil, window{}, err
+		}
+		s := monoNow()
+		time.Sleep(priorityTurn)
+		e := monoNow()
+		z, err := n.Sample()
+		if err != nil {
+			return nil, window{}, err
+		}
+		pids := job.Pids()
+		if measure {
+			all := harness.Share(a, z, 0, nil)
+			o := harness.Share(a, z, 0, pids)
+			on += all - o
+			off += o
+			busy += all
+		}
+		return pids, window{s, e}, nil
+	}
+	saturating := []string{"compute", "--api", "launch", "--kernel-us", strconv.Itoa(int(priorityKernel.Microseconds())), "--depth", "16", "--seconds", "60"}
 	for range turns {
 		s := monoNow() + int64(priorityTurnSettle)
 		time.Sleep(priorityTurn)
 		alone = append(alone, window{s, monoNow()})
-
-		offJob, err := n.Start(harness.RunSpec{Device: 0, Core: 100, MemoryMiB: 1024, Class: "offline",
-			Args: []string{"compute", "--api", "launch", "--kernel-us", "200", "--depth", "16", "--seconds", "60"}})
+		pids, w, err := side(harness.RunSpec{Device: 0, Core: 100, MemoryMiB: 1024, Class: "offline", Args: saturating}, true)
 		if err != nil {
 			return r, err
 		}
-		if err := offJob.WaitStarted(20 * time.Second); err != nil {
-			offJob.Kill()
-			return r, err
-		}
-		a, err := n.Sample()
-		if err != nil {
-			offJob.Kill()
-			return r, err
-		}
-		s = monoNow()
-		time.Sleep(priorityTurn)
-		e := monoNow()
-		z, err := n.Sample()
-		offJob.Kill()
-		_ = offJob.Wait()
+		maps.Copy(offPids, pids)
+		beside = append(beside, w)
+		pids, w, err = side(harness.RunSpec{Device: 0, Core: 40, MemoryMiB: 1024, Class: "online", Args: saturating}, false)
 		if err != nil {
 			return r, err
 		}
-		beside = append(beside, window{s, e})
-		all := harness.Share(a, z, 0, nil)
-		o := harness.Share(a, z, 0, offJob.Pids())
-		on += all - o
-		off += o
-		busy += all
+		maps.Copy(nbPids, pids)
+		nextTo = append(nextTo, w)
 	}
 	if err := srv.Cmd.Process.Signal(unix.SIGTERM); err != nil {
 		return r, err
@@ -978,11 +1032,21 @@ func (b *bench) priorityCase(n *harness.Node) (priorityResult, error) {
 	case <-time.After(30 * time.Second):
 		return r, errors.New("serve did not end on SIGTERM")
 	}
-	lat := serveLatency.FindAllStringSubmatch(srv.Output(), -1)
-	if len(lat) == 0 {
-		return r, fmt.Errorf("serve printed no latencies: %s", srv.Output())
+	runs, err := log.Stop()
+	if err != nil {
+		return r, err
+	}
+	out := srv.Output()
+	lat := serveLatency.FindAllStringSubmatch(out, -1)
+	reqs, err := harness.ParseRequests(out)
+	if err != nil {
+		return r, err
+	}
+	if len(lat) == 0 || len(reqs) != len(lat) {
+		return r, fmt.Errorf("serve printed %d latencies and %d request lines: %s", len(lat), len(reqs), out)
 	}
 	var la, lb []float64
+	var rb, rn []harness.Request
 	for i, m := range lat {
 		us, _ := strconv.ParseFloat(m[1], 64)
 		at := t0 + int64(i)*int64(priorityPeriodMs)*int64(time.Millisecond)
@@ -991,17 +1055,31 @@ func (b *bench) priorityCase(n *harness.Node) (priorityResult, error) {
 			la = append(la, us/1000)
 		case within(beside, at):
 			lb = append(lb, us/1000)
+			rb = append(rb, reqs[i])
+		case within(nextTo, at):
+			rn = append(rn, reqs[i])
 		}
 	}
-	if len(la) == 0 || len(lb) == 0 {
-		return r, fmt.Errorf("%d requests alone and %d beside the offline instance", len(la), len(lb))
+	if len(la) == 0 || len(lb) == 0 || len(rn) == 0 {
+		return r, fmt.Errorf("%d requests alone, %d beside the offline instance, %d beside the neighbour", len(la), len(lb), len(rn))
 	}
 	sort.Float64s(la)
 	sort.Float64s(lb)
 	for i, p := range []float64{50, 90, 99} {
 		r.alone[i], r.beside[i] = percentile(la, p), percentile(lb, p)
 	}
-	r.n = [2]int{len(la), len(lb)}
+	isSrv := func(p int) bool { return srvPids[p] }
+	for k, c := range []struct {
+		reqs  []harness.Request
+		other map[int]bool
+	}{{rb, offPids}, {rn, nbPids}} {
+		d, err := harness.DeviceDelays(runs, isSrv, func(p int) bool { return c.other[p] }, c.reqs, log.From, math.MaxInt64)
+		if err != nil {
+			return r, err
+		}
+		copy(r.delay[k][:], harness.Percentiles(d, 50, 99, 100))
+	}
+	r.n = [3]int{len(la), len(lb), len(rn)}
 	k := float64(turns)
 	on, off, r.busy = on/k, off/k, busy/k
 	if on < 100 {
@@ -1012,10 +1090,12 @@ func (b *bench) priorityCase(n *harness.Node) (priorityResult, error) {
 
 const (
 	priorityPeriodMs = 5 // the server's request period
-	// priorityTurn is how long each side lasts before the other's turn.
+	// priorityKernel is the length of every kernel of the priority cases.
+	priorityKernel = 200 * time.Microsecond
+	// priorityTurn is how long each side lasts before the next one's turn.
 	priorityTurn = time.Second
 	// priorityTurnSettle is left out at the start of a turn alone: the
-	// offline process just killed may still have kernels on the device.
+	// other process just killed may still have kernels on the device.
 	priorityTurnSettle = 20 * time.Millisecond
 	// priorityTail is left out at the end of every turn: a request that
 	// arrives later may run into the next turn.

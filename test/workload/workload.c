@@ -734,9 +734,11 @@ static void serve_on_signal(int sig)
 }
 
 /* One request: --burst kernels on s, at most --depth in flight (ev holds
- * --depth events), and the wait for the last. */
-static void serve_request(CUstream s, CUevent *ev)
+ * --depth events), and the wait for the last.  Returns when its first
+ * launch was called (CLOCK_MONOTONIC, the simulated device's clock). */
+static uint64_t serve_request(CUstream s, CUevent *ev)
 {
+    uint64_t start = now_ns();
     for (long k = 0; k < opt.burst; k++) {
         if (k >= opt.depth)
             CK(cu.cuEventSynchronize(ev[k % opt.depth])); /* at most depth in flight */
@@ -746,6 +748,7 @@ static void serve_request(CUstream s, CUevent *ev)
         CK(cu.cuEventRecord(ev[k % opt.depth], s));
     }
     CK(cu.cuStreamSynchronize(s));
+    return start;
 }
 
 /* An inference server's shape: requests arrive on a fixed schedule (every
@@ -754,7 +757,10 @@ static void serve_request(CUstream s, CUevent *ev)
  * --depth in flight, and waits for the last. A request's latency runs from
  * its scheduled arrival to its completion, so time spent waiting behind a
  * late predecessor counts, as it does for a client. One unmeasured request
- * warms the server up before the schedule starts. */
+ * warms the server up before the schedule starts. With --raw, each
+ * request's latency (lat_us=) and when its first launch was called and
+ * its wait returned (req start_ns= done_ns=, CLOCK_MONOTONIC: what the
+ * device's own record of its kernels is matched against). */
 static int cmd_serve(void)
 {
     if (opt.kernel_us < 0 || opt.burst < 1 || opt.period_ms <= 0 || opt.seconds <= 0 || opt.depth < 1)
@@ -769,7 +775,8 @@ static int cmd_serve(void)
     uint64_t period = (uint64_t)(opt.period_ms * 1e6);
     size_t max_req = (size_t)(opt.seconds * 1e9 / (double)period) + 1;
     uint64_t *lat = calloc(max_req, sizeof(uint64_t));
-    if (!ev || !lat)
+    uint64_t *req = opt.raw ? calloc(2 * max_req, sizeof(uint64_t)) : NULL; /* start, done */
+    if (!ev || !lat || (opt.raw && !req))
         die("out of host memory");
     for (long i = 0; i < opt.depth; i++)
         CK(cu.cuEventCreate(&ev[i], CU_EVENT_DISABLE_TIMING));
@@ -802,8 +809,12 @@ static int cmd_serve(void)
         } else if (n > 0) {
             late++; /* the previous request was still running when this one arrived */
         }
-        serve_request(s, ev);
-        lat[n++] = now_ns() - arrive;
+        uint64_t started = serve_request(s, ev), done = now_ns();
+        if (req) {
+            req[2 * n] = started;
+            req[2 * n + 1] = done;
+        }
+        lat[n++] = done - arrive;
         busy += (uint64_t)opt.burst * kernel_ns;
     }
     uint64_t wall = now_ns() - t0;
@@ -820,7 +831,10 @@ static int cmd_serve(void)
            top / 1000, bottom / 1000, opt.kernel_us, opt.burst, opt.period_ms, busy, wall);
     for (size_t i = 0; raw && i < n; i++)
         printf("lat_us=%" PRIu64 "\n", raw[i] / 1000);
+    for (size_t i = 0; req && i < n; i++)
+        printf("req start_ns=%" PRIu64 " done_ns=%" PRIu64 "\n", req[2 * i], req[2 * i + 1]);
     free(raw);
+    free(req);
     for (long i = 0; i < opt.depth; i++)
         CK(cu.cuEventDestroy_v2(ev[i]));
     CK(cu.cuStreamDestroy_v2(s));

@@ -5,6 +5,11 @@
  *   fakecuda-ctl watch US [N]
  *                        stat every US microseconds (at most N times), one
  *                        JSON line each, until N, stdout closes or a signal
+ *   fakecuda-ctl kernels DEV US
+ *                        from now on, every stretch of device time in which
+ *                        a kernel of device DEV ran, one line each, read
+ *                        every US microseconds until a signal or stdout
+ *                        closes
  *   fakecuda-ctl reset   clears busy counters, forgets exited processes
  *
  * Devices are the gpu<N> files in FAKECUDA_STATE_DIR; nothing is created.
@@ -190,6 +195,86 @@ static int watch_cmd(const char *us_arg, const char *count_arg)
     return rc;
 }
 
+static volatile sig_atomic_t kernels_stop;
+
+static void kernels_on_signal(int sig)
+{
+    (void)sig;
+    kernels_stop = 1;
+}
+
+/* kernels: follows device dev_arg's record of kernel runs (fc_dev.krun),
+ * from the moment it starts ("from <ns>", CLOCK_MONOTONIC: every run that
+ * ends later is printed), reading it every us microseconds; prints
+ * "<end_ns> <dur_ns> <pid>" per run (the device's timeline,
+ * CLOCK_MONOTONIC) and "lost <n>" where the record wrapped between two
+ * reads (n runs missing).  SIGTERM or SIGINT ends it after one last read:
+ * every run that ended before the signal is printed. */
+static int kernels_cmd(const char *dev_arg, const char *us_arg)
+{
+    char *end = NULL;
+    errno = 0;
+    long dev = strtol(dev_arg, &end, 10);
+    if (errno || !*dev_arg || *end || dev < 0 || dev >= FC_MAX_DEVICES) {
+        fprintf(stderr, "fakecuda-ctl: kernels: device %s: want an index, 0 to %d\n", dev_arg, FC_MAX_DEVICES - 1);
+        return 2;
+    }
+    end = NULL;
+    errno = 0;
+    long long us = strtoll(us_arg, &end, 10);
+    if (errno || !*us_arg || *end || us < 100 || us > 60000000) {
+        fprintf(stderr, "fakecuda-ctl: kernels: interval %s: want microseconds, 100 to 60000000\n", us_arg);
+        return 2;
+    }
+    struct fc_dev *d = fc_dev_open((int)dev, 0);
+    if (!d) {
+        fprintf(stderr, "fakecuda-ctl: device %ld: %s\n", dev, strerror(errno));
+        return 1;
+    }
+    signal(SIGPIPE, SIG_IGN); /* a closed stdout ends it by its error */
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = kernels_on_signal; /* no SA_RESTART: the sleep ends at once */
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    static struct fc_krun buf[FC_KRUNS];
+    fc_dev_lock(d);
+    uint64_t next = d->nkrun; /* the first run not printed yet */
+    uint64_t from = fc_now_ns();
+    fc_dev_unlock(d);
+    printf("from %llu\n", (unsigned long long)from);
+    int rc = 0;
+    for (int last = 0; !last;) {
+        last = kernels_stop;
+        fc_dev_lock(d);
+        uint64_t upto = d->nkrun, lost = 0;
+        if (upto - next > FC_KRUNS) {
+            lost = upto - next - FC_KRUNS;
+            next = upto - FC_KRUNS;
+        }
+        size_t n = (size_t)(upto - next);
+        for (size_t i = 0; i < n; i++)
+            buf[i] = d->krun[(next + i) % FC_KRUNS];
+        fc_dev_unlock(d);
+        next = upto;
+        if (lost)
+            printf("lost %llu\n", (unsigned long long)lost);
+        for (size_t i = 0; i < n; i++)
+            printf("%llu %u %d\n", (unsigned long long)buf[i].end_ns, buf[i].dur_ns, buf[i].pid);
+        if (fflush(stdout)) {
+            rc = errno == EPIPE ? 0 : 1; /* the reader went away */
+            break;
+        }
+        if (!last) {
+            struct timespec ts = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000};
+            nanosleep(&ts, NULL); /* a signal ends it early: one last read follows */
+        }
+    }
+    fc_dev_close(d);
+    return rc;
+}
+
 static int reset_cmd(void)
 {
     int idx[FC_MAX_DEVICES];
@@ -216,9 +301,11 @@ int main(int argc, char **argv)
         return stat_cmd();
     if ((argc == 3 || argc == 4) && strcmp(argv[1], "watch") == 0)
         return watch_cmd(argv[2], argc == 4 ? argv[3] : NULL);
+    if (argc == 4 && strcmp(argv[1], "kernels") == 0)
+        return kernels_cmd(argv[2], argv[3]);
     if (argc == 2 && strcmp(argv[1], "reset") == 0)
         return reset_cmd();
-    fprintf(stderr, "usage: fakecuda-ctl stat|watch US [N]|reset   (state dir: FAKECUDA_STATE_DIR, now %s)\n",
+    fprintf(stderr, "usage: fakecuda-ctl stat|watch US [N]|kernels DEV US|reset   (state dir: FAKECUDA_STATE_DIR, now %s)\n",
             fc_env_state_dir());
     return 2;
 }

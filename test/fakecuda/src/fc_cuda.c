@@ -953,7 +953,7 @@ static void run_kernel(CUcontext c, uint64_t dur, uint64_t at, uint64_t *vcur, s
          * kernel leaves the device with the time it ran and queues again
          * for the rest; otherwise it runs on in a new slice.  (A slice
          * ends in host time, when the worker wakes for it.) */
-        int keep = fc_exec_preempt(d, hd->ticket, proc, t1 - hd->mark, ran(t1 - t0, &gap), &se);
+        int keep = fc_exec_preempt(d, hd->ticket, proc, t1 - hd->mark, ran(t1 - t0, &gap), t1, &se);
         hd->mark = t1;
         t0 = t1;
         if (keep)
@@ -968,7 +968,7 @@ static void run_kernel(CUcontext c, uint64_t dur, uint64_t at, uint64_t *vcur, s
     /* Recorded now, so that a process that exits right after its last
      * kernel leaves a complete record.  It ended at `end`, however late
      * the worker woke. */
-    fc_exec_account(d, hd->ticket, proc, end - hd->mark, ran(end - t0, &gap));
+    fc_exec_account(d, hd->ticket, proc, end - hd->mark, ran(end - t0, &gap), end);
     hd->mark = end;
     *vcur = end;
 }

@@ -653,11 +653,26 @@ static void account_locked(struct fc_dev *d, int proc, uint64_t busy_ns, uint64_
         d->hold_ns += busy_ns;
 }
 
-void fc_exec_account(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns, uint64_t kernel_ns)
+/* Records a kernel's run of kernel_ns ending at end_ns for proc (under mu). */
+static void krun_locked(struct fc_dev *d, int proc, uint64_t kernel_ns, uint64_t end_ns)
+{
+    if (kernel_ns == 0)
+        return;
+    struct fc_krun *r = &d->krun[d->nkrun % FC_KRUNS];
+    r->end_ns = end_ns;
+    r->dur_ns = kernel_ns > UINT32_MAX ? UINT32_MAX : (uint32_t)kernel_ns;
+    r->pid = proc >= 0 && proc < FC_MAX_PROCS ? d->procs[proc].pid : -1;
+    d->nkrun++;
+}
+
+void fc_exec_account(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns, uint64_t kernel_ns,
+                     uint64_t end_ns)
 {
     fc_dev_lock(d);
-    if (d->owner_ticket == ticket)
+    if (d->owner_ticket == ticket) {
         account_locked(d, proc, busy_ns, kernel_ns, 1);
+        krun_locked(d, proc, kernel_ns, end_ns);
+    }
     fc_dev_unlock(d);
 }
 
@@ -742,7 +757,7 @@ uint64_t fc_exec_slice_end(struct fc_dev *d, uint64_t ticket)
 }
 
 int fc_exec_preempt(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns, uint64_t kernel_ns,
-                    uint64_t *slice_end)
+                    uint64_t end_ns, uint64_t *slice_end)
 {
     fc_dev_lock(d);
     if (d->owner_ticket != ticket) {
@@ -750,6 +765,7 @@ int fc_exec_preempt(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_n
         return 0;
     }
     account_locked(d, proc, busy_ns, kernel_ns, 0);
+    krun_locked(d, proc, kernel_ns, end_ns);
     int keep = !others_wait_locked(d, proc);
     if (keep) {
         /* its own streams waiting do not count: one context */

@@ -24,8 +24,9 @@
 #define FC_MAX_PROCS 1024
 #define FC_MAX_WAITERS 256
 #define FC_MAGIC 0x41445543454b4146ULL /* "FAKECUDA" */
-#define FC_LAYOUT 9
+#define FC_LAYOUT 10
 #define FC_TRACE 4096 /* ownership changes kept in fc_dev.trace */
+#define FC_KRUNS 32768 /* kernel runs kept in fc_dev.krun (a power of two) */
 #define FC_SAMPLES 16 /* utilisation samples kept in fc_dev.samp (NVML) */
 #define FC_SAMPLE_MIN_NS 20000000ULL /* NVML takes a new sample at most every 20 ms */
 #define FC_NAME_LEN 96
@@ -70,6 +71,16 @@ struct fc_trace_ent {
     uint64_t t_ns;
     int32_t proc;
     int32_t pad;
+};
+
+/* A stretch of device time in which a kernel ran: [end_ns - dur_ns,
+ * end_ns) on the device's timeline, by the process of pid (in its own pid
+ * namespace).  A kernel preempted in the timer model runs in several; the
+ * device's gap before a kernel (FAKECUDA_KERNEL_GAP_US) is not in it. */
+struct fc_krun {
+    uint64_t end_ns;
+    uint32_t dur_ns; /* capped at UINT32_MAX (4.29 s) */
+    int32_t pid;
 };
 
 struct fc_waiter {
@@ -120,6 +131,8 @@ struct fc_dev {
     uint64_t idles;    /* the device was left with no holder */
     uint64_t ntrace; /* ownership changes recorded; the last FC_TRACE are in trace */
     struct fc_trace_ent trace[FC_TRACE];
+    uint64_t nkrun; /* kernel runs recorded; the last FC_KRUNS are in krun */
+    struct fc_krun krun[FC_KRUNS];
     struct fc_waiter wq[FC_MAX_WAITERS];
     struct fc_proc procs[FC_MAX_PROCS];
 };
@@ -173,10 +186,12 @@ int fc_proc_register(struct fc_dev *d, int pid, uint64_t pidns);
  * the kernel was queued or the device went idle, whichever is later; not
  * when the calling thread happened to wake. */
 uint64_t fc_exec_acquire(struct fc_dev *d, int proc, uint64_t at, uint64_t *since);
-/* Records a kernel that just ended on the device the caller holds: busy_ns
- * is the time held since the last record (what the worker did before the
- * kernel while holding, and the kernel), kernel_ns the kernel's own time. */
-void fc_exec_account(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns, uint64_t kernel_ns);
+/* Records a kernel that ended at end_ns on the device the caller holds:
+ * busy_ns is the time held since the last record (what the worker did
+ * before the kernel while holding, and the kernel), kernel_ns the kernel's
+ * own time (its run, in fc_dev.krun, ends at end_ns). */
+void fc_exec_account(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns, uint64_t kernel_ns,
+                     uint64_t end_ns);
 /* Releases the device; busy_ns: time held since the last record. */
 void fc_exec_release(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns);
 /* Before the next kernel of one stream: records busy_ns as fc_exec_release
@@ -193,14 +208,14 @@ int fc_exec_continue(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_
  * running kernel must call fc_exec_preempt; 0 if it no longer holds the
  * device. */
 uint64_t fc_exec_slice_end(struct fc_dev *d, uint64_t ticket);
-/* Timer model, at the end of the caller's slice inside a kernel: records
- * busy_ns as fc_exec_release does and kernel_ns as the kernel's time so far
- * (not counted as a kernel); if another process waits, hands the device on
+/* Timer model, at the end of the caller's slice inside a kernel (end_ns):
+ * records busy_ns as fc_exec_release does and kernel_ns as the kernel's
+ * time so far (a run ending at end_ns, not counted as a kernel); if another process waits, hands the device on
  * (round robin) and returns 0, the kernel then queues again for the rest of
  * its time; otherwise a new slice begins for the caller, *slice_end is its
  * end, and it returns 1. */
 int fc_exec_preempt(struct fc_dev *d, uint64_t ticket, int proc, uint64_t busy_ns, uint64_t kernel_ns,
-                    uint64_t *slice_end);
+                    uint64_t end_ns, uint64_t *slice_end);
 
 /* Device memory accounting: 0, or -1 when over the device total. */
 int fc_mem_reserve(struct fc_dev *d, int proc, uint64_t bytes);
