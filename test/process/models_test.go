@@ -182,6 +182,29 @@ func TestOnlineOfflineShares(t *testing.T) {
 	})
 }
 
+// TestOnlineStepsBesideOffline: an online training loop (8 kernels of
+// 250 µs, then a synchronisation and 120 µs on the host) keeps its
+// throughput beside a saturating offline instance (online_offline_switch
+// 1) within 2 points of what it has alone, under every device model: its
+// host gaps are shorter than the quiet grace G, so offline work never gets
+// in between its steps (docs/arbiter.md "What an online request finds on
+// the device"; granting the fill a wake-up before G ends cost this loop
+// 5-11 points).
+func TestOnlineStepsBesideOffline(t *testing.T) {
+	step := saturating("launch", 250, 8, "--sync-every", "8", "--host-us", "120")
+	offline := append([]string{"--class", "offline"}, saturating("launch", 200, 16)...)
+	forEachModelCase(t, func(t testing.TB, model string) {
+		nc := onModel(policy.FixedShare, model)
+		nc.OnlineOffline = 1
+		_, _, alone := measureAll(t, nc, []load{{100, step}}, time.Second, 4*time.Second)
+		_, _, beside := measureAll(t, nc, []load{{100, step}, {100, offline}}, time.Second, 4*time.Second)
+		t.Logf("the step loop's kernel throughput alone %.2f %%, beside the offline instance %.2f %% (offline %.2f %%)", alone[0], beside[0], beside[1])
+		if beside[0] < alone[0]-epsilon {
+			t.Errorf("the online step loop beside the offline instance: %.2f %% of the device in kernels, alone %.2f: more than %.0f points less", beside[0], alone[0], epsilon)
+		}
+	})
+}
+
 // TestSharesByThroughput: training loops that synchronise every 8 kernels
 // of 250 µs and spend 10 µs on the host (issue 32's "steps" rows), on a
 // device that spends 20 µs of its own before each kernel (so a loop alone
