@@ -1073,7 +1073,7 @@ func (b *bench) priorityCase(n *harness.Node) (priorityResult, error) {
 		reqs  []harness.Request
 		other map[int]bool
 	}{{rb, offPids}, {rn, nbPids}} {
-		d, err := harness.DeviceDelays(runs, isSrv, func(p int) bool { return c.other[p] }, c.reqs, log.From, math.MaxInt64)
+		d, err := harness.DeviceDelays(runs, isSrv, func(p int) bool { return c.other[p] }, c.reqs, log.From)
 		if err != nil {
 			return r, err
 		}

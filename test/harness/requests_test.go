@@ -25,17 +25,17 @@ func TestDeviceDelays(t *testing.T) {
 	}
 	reqs := []Request{{1000, 1950}, {2000, 2500}, {3000, 3500}}
 	is := func(p int) func(int) bool { return func(q int) bool { return q == p } }
-	d, err := DeviceDelays(runs, is(srv), is(off), reqs[:2], 0, 10000)
+	d, err := DeviceDelays(runs, is(srv), is(off), reqs[:2], 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if want := []time.Duration{300, 0}; len(d) != 2 || d[0] != want[0] || d[1] != want[1] {
 		t.Errorf("delays %v, want %v", d, want)
 	}
-	if d, err := DeviceDelays(runs, is(srv), is(off), reqs[:2], 1500, 10000); err != nil || len(d) != 1 {
+	if d, err := DeviceDelays(runs, is(srv), is(off), reqs[:2], 1500); err != nil || len(d) != 1 {
 		t.Errorf("a window from 1500: %v, %v; want the second request only", d, err)
 	}
-	if _, err := DeviceDelays(runs, is(srv), is(off), reqs, 0, 10000); err == nil || !strings.Contains(err.Error(), "no kernel") {
+	if _, err := DeviceDelays(runs, is(srv), is(off), reqs, 0); err == nil || !strings.Contains(err.Error(), "no kernel") {
 		t.Errorf("a request without kernels in the record: %v, want an error", err)
 	}
 }

@@ -2,7 +2,6 @@ package process
 
 import (
 	"fmt"
-	"math"
 	"regexp"
 	"sort"
 	"strconv"
@@ -135,7 +134,7 @@ func serveRequests(t testing.TB, n *harness.Node, secs float64, start func() *ha
 		t.Fatal(err)
 	}
 	off := other.Pids()
-	r.delays, err = harness.DeviceDelays(runs, func(p int) bool { return srv[p] }, func(p int) bool { return off[p] }, reqs, log.From, math.MaxInt64)
+	r.delays, err = harness.DeviceDelays(runs, func(p int) bool { return srv[p] }, func(p int) bool { return off[p] }, reqs, log.From)
 	if err != nil {
 		t.Fatal(err)
 	}
