@@ -45,7 +45,7 @@ import (
 // Defaults of the options.
 const (
 	DefaultActiveTick    = arbiter.DefaultTick    // shortest interval while anything has demand or a grant
-	DefaultMaxActiveTick = 4 * time.Millisecond   // longest interval then (what the arbiter cannot foresee is noticed within it)
+	DefaultMaxActiveTick = 20 * time.Millisecond  // longest interval then (what the arbiter cannot foresee and no process reports is noticed within it)
 	DefaultIdleTick      = 5 * time.Millisecond   // processes attached, none active
 	DefaultDormantTick   = 250 * time.Millisecond // no process attached
 	DefaultAttachTimeout = 500 * time.Millisecond // a request must arrive, and its reply leave, within it (a silent client holds one of its instance's attachActivePerKey that long)

@@ -143,7 +143,7 @@ func TestArbitration(t *testing.T) {
 // TestIdleCost measures the CPU time of an enforcer process (the real
 // command) with one attached process: dormant (no process), idle (process
 // attached, no work) and active (a thread waits: the lone holder's ticks
-// follow the arbiter's next decision, 1-4 ms apart). Each state is judged
+// follow the arbiter's next decision, 1-20 ms apart). Each state is judged
 // on the cheaper of two consecutive 1 s windows: the steady cost, not
 // what the change of state leaves running into the first window (the idle
 // window right after an attach read 12.11 % once in CI, with the race

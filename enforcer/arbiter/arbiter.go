@@ -27,10 +27,8 @@ import (
 )
 
 // Defaults, the production configuration (docs/arbiter.md "Rules and
-// constants"). The queue bounds are the shim's, per class: the enforcer
-// writes DefaultMaxQueued into an online instance's region (max_queued_ns)
-// and DefaultOfflineMaxQueued into an offline one's. DefaultTick is its
-// shortest regular tick interval.
+// constants"). The queue bounds are the shim's per class (the enforcer
+// writes them as max_queued_ns); DefaultTick is its shortest tick interval.
 const (
 	DefaultPeriod           = 100 * time.Millisecond
 	DefaultQuantum          = 20 * time.Millisecond

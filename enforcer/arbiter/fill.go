@@ -20,18 +20,22 @@ func (a *Arbiter) fillAt() time.Duration {
 	return a.last
 }
 
-// Wake says when the enforcer wants to hear from online instance id's
-// processes at once (mgpu_region.h): busy, when one queues work or starts
-// waiting, while an offline instance fills (it must stop) or id neither
-// holds nor was seen waiting (new demand); idle, when its queue empties
+// Wake says when the enforcer wants to hear from instance id's processes
+// at once (mgpu_region.h, docs/arbiter.md step 9): busy, when one queues
+// work or starts waiting, while an offline instance fills (online id must
+// stop it) or id neither holds nor was seen waiting (new demand; offline,
+// only while a fill may start); idle (online), when its queue empties
 // while offline work waits, or while it holds contested until a quiet
-// spell of this hold ends in a launch (docs/arbiter.md step 9).
+// spell of this hold ends in a launch.
 func (a *Arbiter) Wake(id int) (busy, idle bool) {
 	i, ok := a.index[id]
-	if !ok || a.inst[i].off {
+	if !ok {
 		return false, false
 	}
 	in := &a.inst[i]
+	if in.off {
+		return a.off.holder < 0 && !in.demand && a.fillAt() != Never, false
+	}
 	if a.off.holder >= 0 || a.on.holder != i && !in.demand {
 		return true, false
 	}

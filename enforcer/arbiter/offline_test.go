@@ -122,6 +122,34 @@ func TestOnlineLatencyBesideOffline(t *testing.T) {
 	}
 }
 
+// An offline instance's first wait for the grant wakes the enforcer
+// (Wake busy) only while a fill may start: the online pool quiet, nobody
+// filling, the instance not seen waiting. A filler revoked by an online
+// request still drains its tail when the request ends and waits only
+// later; unreported, its fill would start at the loop's next regular
+// tick, up to maxActiveTick later (switch 2 lost a third of the idle
+// time to that in make bench's priority scenario).
+func TestWakeOfflineFirstWait(t *testing.T) {
+	t.Parallel()
+	a := New(Config{Policy: policy.GuaranteedBurstShare})
+	a.AddClass(1, 50, policy.Online)
+	a.AddClass(2, 50, policy.Offline)
+	wake := func(when string, want bool) {
+		t.Helper()
+		if busy, idle := a.Wake(2); busy != want || idle {
+			t.Fatalf("%s: the offline instance's Wake is busy %v idle %v, want busy %v", when, busy, idle, want)
+		}
+	}
+	only(t, a.Tick(ms, map[int]Usage{1: {Waiting: true}, 2: {Waiting: true}}), 1)
+	wake("seen waiting", false)
+	only(t, a.Tick(2*ms, map[int]Usage{1: {Queued: 500 * us, Launches: 1}, 2: {Queued: 200 * us}}), 1)
+	wake("the online holder busy", false)
+	only(t, a.Tick(3*ms, map[int]Usage{1: {GPUTime: ms, Launches: 1, IdleSince: 2900 * us}, 2: {Queued: 200 * us}}), 1)
+	wake("the online holder quiet, the offline one draining", true)
+	only(t, a.Tick(3200*us, map[int]Usage{1: {GPUTime: ms, Launches: 1, IdleSince: 2900 * us}, 2: {Waiting: true}}), 1, 2)
+	wake("filling", false)
+}
+
 // Offline instances share what is left by their cores as weights, under
 // every policy (a fixed-share device does not cap them).
 func TestOfflineWeights(t *testing.T) {

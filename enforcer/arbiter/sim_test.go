@@ -46,7 +46,7 @@ const (
 	simFlush      = time.Millisecond
 	simBin        = time.Millisecond
 	simUrgentTick = 20 * time.Microsecond // enforcer minUrgentTick
-	simMaxTick    = 4 * time.Millisecond  // enforcer maxActiveTick
+	simMaxTick    = 20 * time.Millisecond // enforcer maxActiveTick
 	simWakeTick   = 50 * time.Microsecond // enforcer minWakeTick
 )
 
