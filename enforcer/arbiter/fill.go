@@ -24,9 +24,8 @@ func (a *Arbiter) fillAt() time.Duration {
 // at once (mgpu_region.h, docs/arbiter.md step 9): busy, when one queues
 // work or starts waiting, while an offline instance fills (online id must
 // stop it) or id neither holds nor was seen waiting (new demand; offline,
-// only while a fill may start); idle (online), when its queue empties
-// while offline work waits, or while it holds contested until a quiet
-// spell of this hold ends in a launch.
+// only while a fill may start); idle (online), when its queue empties while
+// offline work waits, or holding contested until a quiet spell ends in a launch.
 func (a *Arbiter) Wake(id int) (busy, idle bool) {
 	i, ok := a.index[id]
 	if !ok {

@@ -42,11 +42,11 @@ func ParseRequests(out string) ([]Request, error) {
 // DeviceDelays returns, for each request of the server (its processes:
 // server) that started at or after since (the kernel log's From), the
 // device time the kernels of the processes other says yes to ran between
-// the request's start and the end of its last kernel on the device (the last of the
-// server's kernel runs that ends before its wait returned): what those
-// processes' work added to the request on the device's own timeline, with
-// nothing of the host's scheduling in it but what held the device. A
-// request whose kernels the log does not hold is an error.
+// the request's start and the end of its last kernel on the device (the
+// last of the server's kernel runs that ends before its wait returned):
+// what those processes' work added to the request on the device's own
+// timeline, with nothing of the host's scheduling in it but what held the
+// device. A request whose kernels the log does not hold is an error.
 func DeviceDelays(runs []fakecuda.KernelRun, server, other func(pid int) bool, reqs []Request, since int64) ([]time.Duration, error) {
 	own := fakecuda.NewTimeline(runs, server)
 	others := fakecuda.NewTimeline(runs, other)
