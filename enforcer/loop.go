@@ -3,7 +3,6 @@ package enforcer
 import (
 	"context"
 	"math/bits"
-	"runtime"
 	"time"
 	"unsafe"
 
@@ -27,10 +26,13 @@ import (
 // o.dormantTick when no process is attached. Creating an instance or
 // attaching a process wakes it at once (while active: at the next tick).
 // While active, a process whose region's wake word asks for it wakes the
-// loop at once (wake.go).
+// loop at once, and the loop waits on the runtime's poller (waitUntil,
+// wake.go).
 func (e *Enforcer) loop(ctx context.Context) {
 	t := time.NewTimer(0)
 	defer t.Stop()
+	w := e.newLoopWait()
+	defer e.closeLoopWait(w)
 	done := ctx.Done()
 	for {
 		select {
@@ -48,33 +50,27 @@ func (e *Enforcer) loop(ctx context.Context) {
 		e.woken = false
 		last := monotonic()
 		at, active := e.tick()
-		// While active, sleep in the thread (see sleepUntil), yielding
-		// now and then; a process may wake it (waitUntil).
-		for yielded := at; active && runtime.GOMAXPROCS(0) > 1; yielded = at {
-			for active && at-yielded < yieldEvery {
-				e.woken = e.waitUntil(at, last)
-				select {
-				case <-done:
-					return
-				default:
-				}
-				select {
-				case <-e.kick: // served by the tick below
-				default:
-				}
-				last = monotonic()
-				at, active = e.tick()
+		// While active, wait for the next tick on the poller (waitUntil);
+		// a process may wake it. Without a loopWait (the kernel refused a
+		// timerfd) the loop sleeps on the runtime's timer, and no process
+		// wakes it.
+		for active && w != nil {
+			e.woken = e.waitUntil(w, at, last)
+			select {
+			case <-done:
+				return
+			default:
 			}
-			runtime.Gosched()
+			select {
+			case <-e.kick: // served by the tick below
+			default:
+			}
+			last = monotonic()
+			at, active = e.tick()
 		}
 		t.Reset(max(0, at-monotonic()))
 	}
 }
-
-// yieldEvery is how often the active loop yields its P. The scheduler
-// preempts a goroutine that has run for 10 ms (sysmon sends it a signal);
-// yielding first is cheaper, and does not cut a sleep short.
-const yieldEvery = 5 * time.Millisecond
 
 // minUrgentTick is the shortest interval between two ticks while the
 // device may idle until the next decision (arbiter.Urgent: a hand-off
@@ -82,18 +78,12 @@ const yieldEvery = 5 * time.Millisecond
 const minUrgentTick = 20 * time.Microsecond
 
 // sleepUntil blocks the calling thread until CLOCK_MONOTONIC reaches at, or
-// a signal arrives.
-//
-// It is a raw system call, which the scheduler does not see: the goroutine
-// keeps its thread and its P while it sleeps. Sleeping on a timer or in an
-// ordinary system call cost about four extra context switches per tick on a
-// 2-core machine (a netpoll wake-up, a spinning thread woken and put back to
-// sleep, sysmon retaking the P), with 16 busy instances more than the tick
-// itself. The loop sleeps so only while active (at most maxActiveTick at a
-// time) and with GOMAXPROCS > 1, so that the other goroutines keep a P, and
-// it yields every yieldEvery. A stop-the-world's preemption signal ends the
-// sleep at once (nanosleep is never restarted after a handler), and the
-// caller is preempted at its next call.
+// a signal arrives. It is a raw system call, which the scheduler does not
+// see: the goroutine keeps its thread and its P. The active loop uses it
+// only for the short rest after a process woke it (at most minWakeTick) and
+// where the kernel refuses the loop's timerfd (waitUntil). A stop-the-world's
+// preemption signal ends the sleep at once (nanosleep is never restarted
+// after a handler), and the caller is preempted at its next call.
 func sleepUntil(at time.Duration) {
 	ts := unix.NsecToTimespec(int64(at))
 	_, _, _ = unix.RawSyscall6(unix.SYS_CLOCK_NANOSLEEP, unix.CLOCK_MONOTONIC, unix.TIMER_ABSTIME,

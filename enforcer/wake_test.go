@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"os"
-	"runtime"
 	"testing"
 	"time"
 
@@ -29,7 +28,7 @@ func TestWakeSocket(t *testing.T) {
 	}
 	defer e.Close()
 	if e.epfd < 0 {
-		t.Skip("this kernel has no epoll_pwait2")
+		t.Skip("no epoll set")
 	}
 	sctx, cancel := context.WithCancel(context.Background())
 	served := make(chan struct{})
@@ -61,11 +60,14 @@ func TestWakeSocket(t *testing.T) {
 
 	// Nothing is active (no offline instance), so the loop sleeps on its
 	// timer: this wait is the only one on the epoll set.
+	lw := e.newLoopWait()
+	if lw == nil {
+		t.Fatal("no loop wait")
+	}
+	defer e.closeLoopWait(lw)
 	wait := func(d time.Duration) (bool, time.Duration) {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
 		t0 := monotonic()
-		woken := e.waitUntil(t0+d, t0)
+		woken := e.waitUntil(lw, t0+d, t0)
 		return woken, monotonic() - t0
 	}
 	send := func() {

@@ -397,9 +397,12 @@ func (r *Region) Wake() {
 	Wake(&r.l.Grant)
 }
 
-// Wake issues FUTEX_WAKE (not private) for all waiters on the word.
+// Wake issues FUTEX_WAKE (not private) for all waiters on the word. It
+// never blocks, so it is a raw system call: an ordinary one tells the
+// runtime it may block, which wakes the runtime's sysmon thread when it
+// sleeps (every idle P), a context switch for each grant the loop writes.
 func Wake(w *atomic.Uint32) {
-	_, _, _ = unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(w)), futexWake, math.MaxInt32, 0, 0, 0)
+	_, _, _ = unix.RawSyscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(w)), futexWake, math.MaxInt32, 0, 0, 0)
 }
 
 const futexWake = 1 // FUTEX_WAKE, without FUTEX_PRIVATE_FLAG
