@@ -81,7 +81,7 @@ const minUrgentTick = 20 * time.Microsecond
 // a signal arrives. It is a raw system call, which the scheduler does not
 // see: the goroutine keeps its thread and its P. The active loop uses it
 // only for the short rest after a process woke it (at most minWakeTick) and
-// where the kernel refuses the loop's timerfd (waitUntil). A stop-the-world's
+// should its timerfd refuse a setting (waitUntil). A stop-the-world's
 // preemption signal ends the sleep at once (nanosleep is never restarted
 // after a handler), and the caller is preempted at its next call.
 func sleepUntil(at time.Duration) {

@@ -179,14 +179,15 @@ func (e *Enforcer) drainWakesLocked() {
 // loopWait is the active loop's wait: a timerfd (CLOCK_MONOTONIC, set to
 // the next tick, edge-triggered) in the epoll set of wake sockets, and that
 // set on the Go runtime's poller (an epoll descriptor is readable while it
-// has events). The loop's goroutine parks there and gives its P back, so
-// that with every P idle the runtime's sysmon thread sleeps instead of
-// polling every 10 ms, and the timerfd fires to the nanosecond (the
-// runtime's own timers wait in epoll_pwait with millisecond timeouts).
-// Blocking the thread in a raw sleep instead kept a P busy for the whole
-// sleep: sysmon then polled, and the loop had to yield its P every few
-// milliseconds; with 16 busy instances that cost the enforcer about 2 % of
-// a core on the 2-vCPU CI VM, this 1.2-1.7 % (docs/enforcer.md).
+// has events). For a wait of rawWaitMax or more the loop's goroutine parks
+// there and gives its P back, so that with every P idle the runtime's
+// sysmon thread sleeps instead of polling every 10 ms, and the timerfd
+// fires to the nanosecond (the runtime's own timers wait in epoll_pwait
+// with millisecond timeouts). Blocking the thread for every wait kept a P
+// busy while the loop slept: sysmon then polled, and the loop had to yield
+// its P every few milliseconds; with 16 busy instances that cost the
+// enforcer 1.6-2.2 % of a core on the 2-vCPU CI VM, this 1.0-1.2 %
+// (docs/enforcer.md).
 type loopWait struct {
 	tfd int
 	f   *os.File // a duplicate of the epoll set's descriptor, on the poller
@@ -250,14 +251,30 @@ func (e *Enforcer) pollNow(evs []unix.EpollEvent) int {
 	return int(r) //nolint:gosec // at most len(evs)
 }
 
-// waitUntil parks the loop until CLOCK_MONOTONIC reaches at, or until a
-// process wakes the loop: it then sleeps on until minWakeTick after last
-// (the previous tick), if that is sooner than at, and returns whether it
-// was woken.
+// rawWaitMax: a wait shorter than this blocks the loop's thread in
+// epoll_pwait2 (waitRaw) instead of parking on the poller. Parking costs the
+// thread a pass through the runtime's scheduler (looking for other work,
+// then sleeping), which a short wait, typically the quiet grace after a
+// holder's queue emptied, pays inside that holder's host gap: an online
+// step loop beside offline work lost 1-2 more points of throughput when
+// those waits parked (test/process TestOnlineStepsBesideOffline). Blocking
+// the thread keeps its P, which is cheap for less than this.
+const rawWaitMax = time.Millisecond
+
+// waitUntil waits until CLOCK_MONOTONIC reaches at, or until a process
+// wakes the loop: it then sleeps on until minWakeTick after last (the
+// previous tick), if that is sooner than at, and returns whether it was
+// woken. It parks on the poller (loopWait) unless the wait is shorter than
+// rawWaitMax.
 func (e *Enforcer) waitUntil(w *loopWait, at, last time.Duration) bool {
 	now := monotonic()
 	if now >= at {
 		return false
+	}
+	if at-now < rawWaitMax {
+		if woken, ok := e.waitRaw(w, at, last); ok {
+			return woken
+		}
 	}
 	// Raw system calls (pollNow).
 	spec := unix.ItimerSpec{Value: unix.NsecToTimespec(int64(at))}
@@ -288,4 +305,33 @@ func (e *Enforcer) waitUntil(w *loopWait, at, last time.Duration) bool {
 		}
 	}
 	return woken
+}
+
+// waitRaw is waitUntil blocking the thread in epoll_pwait2 (a raw system
+// call: the goroutine keeps its thread and its P); ok is false where the
+// kernel has no epoll_pwait2 (Linux < 5.11). The loop's timerfd may report
+// an earlier setting meanwhile: that is not a wake-up.
+func (e *Enforcer) waitRaw(w *loopWait, at, last time.Duration) (woken, ok bool) {
+	var evs [4]unix.EpollEvent
+	for now := monotonic(); now < at; now = monotonic() {
+		if woken {
+			sleepUntil(at)
+			continue
+		}
+		ts := unix.NsecToTimespec(int64(at - now))
+		r, _, errno := unix.RawSyscall6(unix.SYS_EPOLL_PWAIT2, uintptr(e.epfd), uintptr(unsafe.Pointer(&evs[0])), uintptr(len(evs)), uintptr(unsafe.Pointer(&ts)), 0, 0) //nolint:gosec // the system call writes evs and reads ts; both outlive it
+		if errno == unix.ENOSYS {
+			return false, false
+		}
+		if errno != 0 { // EINTR
+			continue
+		}
+		for _, ev := range evs[:r] {
+			if int(ev.Fd) != w.tfd {
+				woken = true
+				at = min(at, max(now, last+minWakeTick))
+			}
+		}
+	}
+	return woken, true
 }

@@ -129,8 +129,12 @@ func measureAll(t testing.TB, nc harness.NodeConfig, loads []load, warm, win tim
 		steal = fmt.Sprintf("%.2f%%", harness.StealPercent(hostA, hostB))
 	}
 	hand, idle := holderChanges(a, b)
-	t.Logf("%s shares over %v (device model %s): %v (device %.2f%%, %.0f hand-offs/s, %.0f idle spells/s; host CPU stolen by the hypervisor: %s)",
-		p, win, model, round(shares), dev, hand, idle, steal)
+	cores := make([]int, len(loads))
+	for i, l := range loads {
+		cores[i] = l.core
+	}
+	t.Logf("%s shares over %v (device model %s), cores %v: %v (device %.2f%%, %.0f hand-offs/s, %.0f idle spells/s; host CPU stolen by the hypervisor: %s)",
+		p, win, model, cores, round(shares), dev, hand, idle, steal)
 	return shares, dev, kernels
 }
 
