@@ -94,8 +94,10 @@ func wakeEvents(word uint32) uint32 {
 func (e *Enforcer) setWakeLocked(in *instance, word uint32) {
 	old := in.reg.L().Wake.Swap(word)
 	if in.wakeRecv >= 0 && (old == 0) != (word == 0) {
-		ev := unix.EpollEvent{Events: wakeEvents(word), Fd: int32(in.wakeRecv)}                                                                       //nolint:gosec // fds fit in int32
-		_, _, _ = unix.RawSyscall6(unix.SYS_EPOLL_CTL, uintptr(e.epfd), unix.EPOLL_CTL_MOD, uintptr(in.wakeRecv), uintptr(unsafe.Pointer(&ev)), 0, 0) //nolint:gosec // the system call reads ev (raw: see pollNow)
+		ev := unix.EpollEvent{Events: wakeEvents(word), Fd: int32(in.wakeRecv)} //nolint:gosec // fds fit in int32
+
+		// Raw (pollNow): epoll_ctl does not block.
+		_, _, _ = unix.RawSyscall6(unix.SYS_EPOLL_CTL, uintptr(e.epfd), unix.EPOLL_CTL_MOD, uintptr(in.wakeRecv), uintptr(unsafe.Pointer(&ev)), 0, 0) //nolint:gosec // the system call reads ev
 	}
 }
 

@@ -58,8 +58,9 @@ func TestWakeSocket(t *testing.T) {
 	}
 	_ = w2.Close()
 
-	// Nothing is active (no offline instance), so the loop sleeps on its
-	// timer: this wait is the only one on the epoll set.
+	// The loop does not run: this wait is the only one on the epoll set.
+	// Waits shorter than rawWaitMax block the thread, longer ones park on
+	// the poller: both are checked.
 	lw := e.newLoopWait()
 	if lw == nil {
 		t.Fatal("no loop wait")
@@ -76,27 +77,48 @@ func TestWakeSocket(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if woken, took := wait(20 * time.Millisecond); woken || took < 20*time.Millisecond {
-		t.Fatalf("nothing sent: woken %v after %v, want a 20ms sleep", woken, took)
+	drain := func() {
+		e.mu.Lock()
+		e.drainWakesLocked()
+		e.mu.Unlock()
 	}
-	// Its wake word is 0: nobody asked it, and it cannot wake the loop.
-	send()
-	if woken, _ := wait(20 * time.Millisecond); woken {
-		t.Fatal("woken by an instance whose wake word is 0")
+	for _, d := range []time.Duration{rawWaitMax / 2, 20 * time.Millisecond} {
+		if woken, took := wait(d); woken || took < d {
+			t.Fatalf("nothing sent: woken %v after %v, want a %v wait", woken, took, d)
+		}
+		// Its wake word is 0: nobody asked it, and it cannot wake the loop.
+		send()
+		if woken, took := wait(d); woken || took < d {
+			t.Fatalf("woken by an instance whose wake word is 0 (after %v of %v)", took, d)
+		}
+		drain()
 	}
 	e.mu.Lock()
 	e.setWakeLocked(e.list[0], region.WakeBusy)
 	e.mu.Unlock()
-	send()
+	for _, d := range []time.Duration{rawWaitMax - time.Microsecond, 10 * time.Second} {
+		send() // before the wait
+		if woken, took := wait(d); !woken || took > min(d, 5*time.Second) {
+			t.Fatalf("asked to, a datagram sent: woken %v after %v of %v", woken, took, d)
+		}
+		drain()
+		if woken, took := wait(rawWaitMax / 2); woken || took < rawWaitMax/2 {
+			t.Fatalf("woken again after the datagram was discarded (after %v)", took)
+		}
+		if woken, _ := wait(5 * time.Millisecond); woken {
+			t.Fatal("woken again after the datagram was discarded")
+		}
+	}
+	// A datagram that arrives while the loop is parked wakes it (should the
+	// send come first, this is the case above).
+	go func() {
+		time.Sleep(5 * time.Millisecond)
+		_, _ = unix.SendmsgN(int(w.Fd()), []byte{1}, nil, nil, unix.MSG_DONTWAIT)
+	}()
 	if woken, took := wait(10 * time.Second); !woken || took > 5*time.Second {
-		t.Fatalf("asked to, a datagram sent: woken %v after %v", woken, took)
+		t.Fatalf("a datagram sent during the wait: woken %v after %v", woken, took)
 	}
-	e.mu.Lock()
-	e.drainWakesLocked()
-	e.mu.Unlock()
-	if woken, _ := wait(5 * time.Millisecond); woken {
-		t.Fatal("woken again after the datagram was discarded")
-	}
+	drain()
 
 	if _, err := e.Destroy(out.Instance.Name); err != nil {
 		t.Fatal(err)
