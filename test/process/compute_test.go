@@ -247,12 +247,29 @@ func testFixedShareLoneInstanceCapped(t testing.TB, model string) {
 	}
 }
 
+// TestNativeBurstShare: two saturating instances of weights 1 : 3 share
+// the device 25 / 75 ± 2 under native-burst-share, with equal kernels and
+// with different kernels and launch paths (issue 32's case: 700 µs
+// launches beside 250 µs cuLaunchKernelEx), and keep it >= 97 % busy.
 func TestNativeBurstShare(t *testing.T) {
-	forEachModelCase(t, func(t testing.TB, model string) {
-		shares, dev := measureSharesDev(t, onModel(policy.NativeBurstShare, model), []load{{1, saturating("launch", 100, 64)}, {3, saturating("launch", 100, 64)}}, time.Second, tol.Window())
-		within(t, "weight 1", shares[0], 25)
-		within(t, "weight 3", shares[1], 75)
-		busyAtLeast(t, dev, 97)
+	cases := []struct {
+		name  string
+		loads []load
+	}{
+		{"1:3 100us", []load{{1, saturating("launch", 100, 64)}, {3, saturating("launch", 100, 64)}}},
+		{"10:30 700us / 250us launchex", []load{{10, saturating("launch", 700, 4)}, {30, saturating("launchex", 250, 8)}}},
+	}
+	forEachModel(t, func(t *testing.T, model string) {
+		for _, tc := range cases {
+			t.Run(tc.name, func(t *testing.T) {
+				shareCase(t, func(t testing.TB) {
+					shares, dev := measureSharesDev(t, onModel(policy.NativeBurstShare, model), tc.loads, time.Second, tol.Window())
+					within(t, fmt.Sprintf("weight %d", tc.loads[0].core), shares[0], 25)
+					within(t, fmt.Sprintf("weight %d", tc.loads[1].core), shares[1], 75)
+					busyAtLeast(t, dev, 97)
+				})
+			})
+		}
 	})
 }
 
