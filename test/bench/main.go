@@ -25,7 +25,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mgpu-dev/mgpu/enforcer/api"
-	"github.com/mgpu-dev/mgpu/enforcer/arbiter"
+	"github.com/mgpu-dev/mgpu/enforcer/arbiter/arbiterbench"
 	"github.com/mgpu-dev/mgpu/internal/policy"
 	"github.com/mgpu-dev/mgpu/test/e2e"
 	"github.com/mgpu-dev/mgpu/test/fakecuda"
@@ -159,42 +159,17 @@ func (b *bench) table() {
 var tickBudget = map[int]float64{16: 1000, 64: 4000}
 
 // arbiterCost times the arbiter's decision for 16 and 64 saturating
-// instances (one Tick per simulated millisecond), in the steady state of
-// the arbiter package's BenchmarkTick: the holder runs (1 ms of GPU time
-// and 20 launches per tick, 1 ms queued), everybody else waits. Between
-// two ticks the bench changes only the holder's and the previous holder's
-// usage, as the enforcer rewrites only the entries that changed: the
-// figure is the Tick's, not the bench's (rewriting every entry each tick
-// added 2 × n map writes, a third of the figure).
+// fixed-share instances (one Tick per simulated millisecond) in the steady
+// state of the arbiter package's BenchmarkTick (arbiterbench.Steady): the
+// figure is the Tick's, not the bench's (an earlier harness rewrote every
+// instance's usage each tick, 2 × n map writes, a third of the figure).
 func (b *bench) arbiterCost() error {
 	for _, n := range []int{16, 64} {
-		a := arbiter.New(arbiter.Config{Policy: policy.FixedShare})
-		usage := make(map[int]arbiter.Usage, n)
-		for i := 0; i < n; i++ {
-			a.Add(i, max(1, 100/n))
-			usage[i] = arbiter.Usage{Waiting: true}
-		}
+		s := arbiterbench.NewSteady(policy.FixedShare, n)
 		const ticks = 200000
-		prev := -1
 		start := time.Now()
-		for t := 1; t <= ticks; t++ {
-			cur := -1
-			if g := a.Tick(time.Duration(t)*time.Millisecond, usage); len(g) > 0 {
-				cur = g[0]
-			}
-			if prev >= 0 && prev != cur {
-				u := usage[prev]
-				u.Waiting, u.Queued = true, 0
-				usage[prev] = u
-			}
-			if cur >= 0 {
-				u := usage[cur]
-				u.GPUTime += time.Millisecond
-				u.Launches += 20
-				u.Queued, u.Waiting = time.Millisecond, false
-				usage[cur] = u
-			}
-			prev = cur
+		for range ticks {
+			s.Step()
 		}
 		per := float64(time.Since(start).Nanoseconds()) / ticks
 		b.report(fmt.Sprintf("arbiter_tick_%d_instances", n), per, "ns/tick", atMost(tickBudget[n], "(once per 1 ms tick)"))

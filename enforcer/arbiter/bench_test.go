@@ -1,0 +1,46 @@
+package arbiter_test
+
+import (
+	"testing"
+
+	"github.com/mgpu-dev/mgpu/enforcer/arbiter/arbiterbench"
+	"github.com/mgpu-dev/mgpu/internal/policy"
+)
+
+// benchTick times one Tick (and NextDecision after it if next) in the
+// steady state of n saturating instances (arbiterbench.Steady).
+func benchTick(b *testing.B, n int, p policy.Policy, next bool) {
+	s := arbiterbench.NewSteady(p, n)
+	s.Next = next
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		s.Step()
+	}
+}
+
+func BenchmarkTick16(b *testing.B) {
+	for _, p := range []policy.Policy{policy.FixedShare, policy.NativeBurstShare} {
+		b.Run(p.String(), func(b *testing.B) { benchTick(b, 16, p, false) })
+	}
+}
+
+func BenchmarkTick64(b *testing.B) {
+	for _, p := range []policy.Policy{policy.FixedShare, policy.NativeBurstShare} {
+		b.Run(p.String(), func(b *testing.B) { benchTick(b, 64, p, false) })
+	}
+}
+
+// BenchmarkTickNext16 is BenchmarkTick16 with the enforcer's NextDecision
+// after every Tick.
+func BenchmarkTickNext16(b *testing.B) {
+	for _, p := range []policy.Policy{policy.FixedShare, policy.NativeBurstShare} {
+		b.Run(p.String(), func(b *testing.B) { benchTick(b, 16, p, true) })
+	}
+}
+
+func BenchmarkTickNext64(b *testing.B) {
+	for _, p := range []policy.Policy{policy.FixedShare, policy.NativeBurstShare} {
+		b.Run(p.String(), func(b *testing.B) { benchTick(b, 64, p, true) })
+	}
+}
