@@ -3,8 +3,8 @@ package arbiter_test
 import (
 	"testing"
 
-	"github.com/mgpu-dev/mgpu/enforcer/arbiter/arbiterbench"
 	"github.com/mgpu-dev/mgpu/internal/policy"
+	"github.com/mgpu-dev/mgpu/test/arbiterbench"
 )
 
 // benchTick times one Tick (and NextDecision after it if next) in the

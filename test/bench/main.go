@@ -25,8 +25,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mgpu-dev/mgpu/enforcer/api"
-	"github.com/mgpu-dev/mgpu/enforcer/arbiter/arbiterbench"
 	"github.com/mgpu-dev/mgpu/internal/policy"
+	"github.com/mgpu-dev/mgpu/test/arbiterbench"
 	"github.com/mgpu-dev/mgpu/test/e2e"
 	"github.com/mgpu-dev/mgpu/test/fakecuda"
 	"github.com/mgpu-dev/mgpu/test/harness"

@@ -1,6 +1,7 @@
 // Package arbiterbench drives an arbiter in the steady state its cost is
 // measured in (the arbiter package's BenchmarkTick and mgpu-bench's
-// arbiter section), so that both time the same thing.
+// arbiter section), so that both time the same thing. Not a test of
+// anything: a harness.
 package arbiterbench
 
 import (
