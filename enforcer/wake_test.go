@@ -111,11 +111,17 @@ func TestWakeSocket(t *testing.T) {
 	}
 	// A datagram that arrives while the loop is parked wakes it (should the
 	// send come first, this is the case above).
+	sent := make(chan error, 1)
 	go func() {
 		time.Sleep(5 * time.Millisecond)
-		_, _ = unix.SendmsgN(int(w.Fd()), []byte{1}, nil, nil, unix.MSG_DONTWAIT)
+		_, err := unix.SendmsgN(int(w.Fd()), []byte{1}, nil, nil, unix.MSG_DONTWAIT)
+		sent <- err
 	}()
-	if woken, took := wait(10 * time.Second); !woken || took > 5*time.Second {
+	woken, took := wait(10 * time.Second)
+	if err := <-sent; err != nil {
+		t.Fatal(err)
+	}
+	if !woken || took > 5*time.Second {
 		t.Fatalf("a datagram sent during the wait: woken %v after %v", woken, took)
 	}
 	drain()
