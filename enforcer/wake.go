@@ -258,9 +258,9 @@ func (e *Enforcer) pollNow(evs []unix.EpollEvent) int {
 // thread a pass through the runtime's scheduler (looking for other work,
 // then sleeping), which a short wait, typically the quiet grace after a
 // holder's queue emptied, pays inside that holder's host gap: an online
-// step loop beside offline work lost 1-2 more points of throughput when
-// those waits parked (test/process TestOnlineStepsBesideOffline). Blocking
-// the thread keeps its P, which is cheap for less than this.
+// step loop beside offline work lost about 1 point more of throughput when
+// those waits parked (test/process TestOnlineStepsBesideOffline,
+// docs/enforcer.md). Blocking the thread keeps its P, cheap for this long.
 const rawWaitMax = time.Millisecond
 
 // waitUntil waits until CLOCK_MONOTONIC reaches at, or until a process
