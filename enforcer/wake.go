@@ -188,7 +188,7 @@ func (e *Enforcer) drainWakesLocked() {
 // with millisecond timeouts). Blocking the thread for every wait kept a P
 // busy while the loop slept: sysmon then polled, and the loop had to yield
 // its P every few milliseconds; with 16 busy instances that cost the
-// enforcer 1.6-2.2 % of a core on the 2-vCPU CI VM, this 1.0-1.2 %
+// enforcer 1.6-2.2 % of a core on the 2-vCPU CI VM, this 1.0-1.6 %
 // (docs/enforcer.md).
 type loopWait struct {
 	tfd int
