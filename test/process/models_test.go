@@ -182,14 +182,22 @@ func TestOnlineOfflineShares(t *testing.T) {
 	})
 }
 
+// stepLoss bounds what the online step loop of TestOnlineStepsBesideOffline
+// may lose beside offline work. With G the loop loses 0.8–2.9 points per
+// 4 s window on the 2-vCPU CI VM (no offline work runs in its gaps: the
+// loss is the host time of the wake-ups that report its quiet, which the
+// loop alone does not pay; 2026-12-06/07, several loop variants), and
+// 5–12 when the fill is granted before G ends, which is what this guards
+// against; a bound of 2 failed correct code in CI.
+const stepLoss = 3.0
+
 // TestOnlineStepsBesideOffline: an online training loop (8 kernels of
 // 250 µs, then a synchronisation and 120 µs on the host) keeps its
 // throughput beside a saturating offline instance (online_offline_switch
-// 1) within 2 points of what it has alone, under every device model: its
-// host gaps are shorter than the quiet grace G, so offline work never gets
-// in between its steps (docs/arbiter.md "What an online request finds on
-// the device"; granting the fill a wake-up before G ends cost this loop
-// 5-11 points).
+// 1) within stepLoss points of what it has alone, under every device model:
+// its host gaps are shorter than the quiet grace G, so offline work never
+// gets in between its steps (docs/arbiter.md "What an online request finds
+// on the device").
 func TestOnlineStepsBesideOffline(t *testing.T) {
 	step := saturating("launch", 250, 8, "--sync-every", "8", "--host-us", "120")
 	offline := append([]string{"--class", "offline"}, saturating("launch", 200, 16)...)
@@ -199,8 +207,8 @@ func TestOnlineStepsBesideOffline(t *testing.T) {
 		_, _, alone := measureAll(t, nc, []load{{100, step}}, time.Second, 4*time.Second)
 		_, _, beside := measureAll(t, nc, []load{{100, step}, {100, offline}}, time.Second, 4*time.Second)
 		t.Logf("the step loop's kernel throughput alone %.2f %%, beside the offline instance %.2f %% (offline %.2f %%)", alone[0], beside[0], beside[1])
-		if beside[0] < alone[0]-epsilon {
-			t.Errorf("the online step loop beside the offline instance: %.2f %% of the device in kernels, alone %.2f: more than %.0f points less", beside[0], alone[0], epsilon)
+		if beside[0] < alone[0]-stepLoss {
+			t.Errorf("the online step loop beside the offline instance: %.2f %% of the device in kernels, alone %.2f: more than %.0f points less", beside[0], alone[0], stepLoss)
 		}
 	})
 }
