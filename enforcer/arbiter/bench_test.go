@@ -19,28 +19,19 @@ func benchTick(b *testing.B, n int, p policy.Policy, next bool) {
 	}
 }
 
-func BenchmarkTick16(b *testing.B) {
+// benchPolicies runs benchTick under fixed-share and native-burst-share.
+func benchPolicies(b *testing.B, n int, next bool) {
 	for _, p := range []policy.Policy{policy.FixedShare, policy.NativeBurstShare} {
-		b.Run(p.String(), func(b *testing.B) { benchTick(b, 16, p, false) })
+		b.Run(p.String(), func(b *testing.B) { benchTick(b, n, p, next) })
 	}
 }
 
-func BenchmarkTick64(b *testing.B) {
-	for _, p := range []policy.Policy{policy.FixedShare, policy.NativeBurstShare} {
-		b.Run(p.String(), func(b *testing.B) { benchTick(b, 64, p, false) })
-	}
-}
+func BenchmarkTick16(b *testing.B) { benchPolicies(b, 16, false) }
+
+func BenchmarkTick64(b *testing.B) { benchPolicies(b, 64, false) }
 
 // BenchmarkTickNext16 is BenchmarkTick16 with the enforcer's NextDecision
 // after every Tick.
-func BenchmarkTickNext16(b *testing.B) {
-	for _, p := range []policy.Policy{policy.FixedShare, policy.NativeBurstShare} {
-		b.Run(p.String(), func(b *testing.B) { benchTick(b, 16, p, true) })
-	}
-}
+func BenchmarkTickNext16(b *testing.B) { benchPolicies(b, 16, true) }
 
-func BenchmarkTickNext64(b *testing.B) {
-	for _, p := range []policy.Policy{policy.FixedShare, policy.NativeBurstShare} {
-		b.Run(p.String(), func(b *testing.B) { benchTick(b, 64, p, true) })
-	}
-}
+func BenchmarkTickNext64(b *testing.B) { benchPolicies(b, 64, true) }
