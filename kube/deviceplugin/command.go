@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -21,6 +22,7 @@ import (
 	"github.com/mgpu-dev/mgpu/internal/policy"
 	"github.com/mgpu-dev/mgpu/kube/agentapi"
 	"github.com/mgpu-dev/mgpu/kube/allocview"
+	"github.com/mgpu-dev/mgpu/kube/dra"
 	"github.com/mgpu-dev/mgpu/kube/kubeclient"
 	"github.com/mgpu-dev/mgpu/kube/placement"
 )
@@ -39,10 +41,14 @@ node's scheduling mode (the label ` + ModeLabel + `, else --default-mode):
   share     none, nothing enforced             aliyun.com/gpu-mem, scheduling only
   mps       NVIDIA MPS (real GPUs only)        aliyun.com/gpu-mem, scheduling only (the
                                                MPS limit is advisory, docs/kubernetes.md)
+  dra       none: ResourceClaims of the DRA driver ` + dra.DriverName + ` (DeviceClass
+            ` + dra.DeviceClassName + `), one device per GPU with consumable capacities
+            cores and memory, placed per GPU by the scheduler
 
 Compute is percent of a GPU's time (100 = one whole GPU, multiples of 100 =
 whole GPUs); the other modes' resources are 0. A mode change waits until no
-container holds device IDs of the current mode (drain the node's GPU pods).
+container holds device IDs of the current mode, and from dra until no claim
+is prepared (drain the node's GPU pods).
 Each resource has its socket in the device-plugin directory (` + SocketName + `,
 mgpu-ack-core.sock, mgpu-ack-default.sock, mgpu-ack-topology.sock,
 mgpu-ack-mem.sock); the plugin registers with the kubelet there, and again
@@ -67,7 +73,12 @@ $KUBECONFIG, or the pod's service account when it runs in a pod):
     mgpu-cli node labels;
   - it answers mgpu-hook, on <run_dir>/` + agentapi.SocketName + `, which quota a
     container has: its own pod's compute, memory and policy annotation, on
-    the GPUs the kubelet allocated to it (PodResources API).
+    the GPUs the kubelet allocated to it (PodResources API); in mode dra,
+    the shares of its pod's ResourceClaims that the driver prepared;
+  - it runs the DRA driver ` + dra.DriverName + `: registered with the kubelet
+    (<kubelet-dir>/plugins_registry), its ResourceSlice lists one device per
+    GPU in mode dra and none otherwise; the claims it prepares are kept in
+    <kubelet-dir>/plugins/` + dra.DriverName + `/` + dra.CheckpointName + `.
 See docs/kubernetes.md.
 
 Usage: mgpu-device-plugin [flags]
@@ -90,6 +101,7 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	nodeName := fs.String("node-name", "", "the `NAME` of this node's Node object (default $NODE_NAME, else the host name)")
 	nodeInterval := fs.Duration("node-interval", DefaultPublishInterval, "how often to check the Node's labels and capacity and read its "+PlacementLabel+" label (`DURATION`)")
 	podResources := fs.String("pod-resources-socket", DefaultPodResourcesSocket, "the kubelet's PodResources API `SOCKET`")
+	kubeletDir := fs.String("kubelet-dir", dra.DefaultKubeletDir, "the kubelet's root `DIR`: the DRA driver registers in its plugins_registry and keeps its socket and checkpoint in plugins/"+dra.DriverName)
 	mpsPipe := fs.String("mps-pipe-directory", DefaultMPSPipe, "the NVIDIA MPS control daemon's pipe `DIR` (mode mps), mounted into mps containers")
 	level := fs.String("log-level", "info", "`LEVEL`: debug, info, warn or error")
 	format := fs.String("log-format", "text", "`FORMAT`: text or json")
@@ -119,6 +131,9 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	}
 	if *dir == "" {
 		return fail(2, "--device-plugin-dir is empty")
+	}
+	if !filepath.IsAbs(*kubeletDir) {
+		return fail(2, "--kubelet-dir %q: must be an absolute path", *kubeletDir)
 	}
 	if !filepath.IsAbs(*mpsPipe) {
 		return fail(2, "--mps-pipe-directory %q: must be an absolute path", *mpsPipe)
@@ -190,7 +205,13 @@ func Command(args []string, stdout, stderr io.Writer) int {
 		return fail(2, "%v", err)
 	}
 	defer func() { _ = allocs.Close() }()
-	check := modeCheck(cfg, gpus, *mpsPipe)
+	var draErr atomic.Pointer[error]
+	check := modeCheck(cfg, gpus, *mpsPipe, func() error {
+		if e := draErr.Load(); e != nil {
+			return *e
+		}
+		return nil
+	})
 	if err := check(defMode); err != nil {
 		return fail(2, "--default-mode: %v", err)
 	}
@@ -205,6 +226,17 @@ func Command(args []string, stdout, stderr io.Writer) int {
 		bare[d.Index] = d.Nodes
 	}
 	resolver.SetGPUPolicies(pols)
+	var draGPUs []dra.GPU
+	for _, d := range devs {
+		s := cfg.Device(d.Index)
+		draGPUs = append(draGPUs, dra.GPU{Index: d.Index, UUID: d.UUID, Model: d.Name, MemoryMiB: d.MemoryMiB(),
+			Policy: s.ComputePolicy, Switch: s.OnlineOfflineSwitch, MaxInstances: s.MaxInstances})
+	}
+	driver, err := dra.New(dra.Config{Node: node, CDIKind: cfg.CDIKind, GPUs: draGPUs, DataDir: dra.DataDir(*kubeletDir), Log: log})
+	if err != nil {
+		return fail(1, "%v", err)
+	}
+	resolver.SetClaims(driver)
 	control, err := controlNodes(cfg)
 	if err != nil {
 		return fail(1, "%v", err)
@@ -230,7 +262,7 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	var wg sync.WaitGroup
 	agentErr := make(chan error, 1)
 	wg.Go(func() { agentErr <- ServeAgent(ctx, agentapi.Socket(cfg.RunDir), resolver, log) })
-	pub := NewNodePublisher(client, node, want, gpuMiB, plugins, pol, log).WithModes(defMode, resolver, allocs).WithModeCheck(check)
+	pub := NewNodePublisher(client, node, want, gpuMiB, plugins, pol, log).WithModes(defMode, resolver, allocs).WithModeCheck(check).WithDRA(driver)
 	pub.WithAllocation(func(ctx context.Context) allocview.Node {
 		v := allocview.Collect(ctx, cfg, devs)
 		if cur := pub.Current(); cur != nil && cur.Enforce.Bare() {
@@ -241,10 +273,28 @@ func Command(args []string, stdout, stderr io.Writer) int {
 		return v
 	})
 	wg.Go(func() { pub.Run(ctx, *nodeInterval) })
-	runErr := make(chan error, len(plugins))
+	runErr := make(chan error, len(plugins)+1)
 	for _, p := range plugins {
 		wg.Go(func() { runErr <- p.Run(ctx) })
 	}
+	health := NewEnforcerCards(cfg, gpus)
+	wg.Go(func() {
+		// The device plugins serve without it: the error is dra's alone.
+		err := driver.Run(ctx, client, *kubeletDir, func(ctx context.Context) map[int]bool {
+			ctx, cancel := context.WithTimeout(ctx, cardsTimeout)
+			defer cancel()
+			cards, _ := health.Cards(ctx) // a GPU missing is one whose enforcer does not answer
+			up := map[int]bool{}
+			for _, c := range cards {
+				up[c.Index] = true
+			}
+			return up
+		}, DefaultPollInterval)
+		if err != nil {
+			log.Error("the DRA driver cannot run; the node's mode cannot be dra", "err", err)
+			draErr.Store(&err)
+		}
+	})
 	var status int
 	select {
 	case err := <-agentErr:
@@ -267,9 +317,13 @@ func Command(args []string, stdout, stderr io.Writer) int {
 // modeCheck is what a mode needs of this node: cgpu GPUs of a burst
 // policy (under fixed-share each container would be capped at its core),
 // mps real GPUs and an MPS control daemon (mgpu does not simulate MPS).
-func modeCheck(cfg *config.Config, gpus []int, mpsPipe string) func(Scheme) error {
+func modeCheck(cfg *config.Config, gpus []int, mpsPipe string, draErr func() error) func(Scheme) error {
 	return func(s Scheme) error {
 		switch s.Enforce {
+		case EnforceDRA:
+			if err := draErr(); err != nil {
+				return fmt.Errorf("%s=%s needs the DRA driver, which cannot run: %w", ModeLabel, s.Mode, err)
+			}
 		case EnforceMemory:
 			for _, g := range gpus {
 				if p := cfg.Device(g).ComputePolicy; p == policy.FixedShare {

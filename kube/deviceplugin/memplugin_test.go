@@ -258,7 +258,7 @@ func TestModeCheck(t *testing.T) {
 	cfg.Backend = config.BackendSim
 	nb := policy.NativeBurstShare
 	cfg.Devices = []config.DeviceConfig{{Index: 1, ComputePolicy: &nb}}
-	check := modeCheck(cfg, []int{0, 1}, t.TempDir())
+	check := modeCheck(cfg, []int{0, 1}, t.TempDir(), noDRAErr)
 	for _, s := range []Scheme{SchemeMGPU, SchemeCoreMem, SchemeDefault, SchemeTopology, SchemeShare} {
 		if err := check(s); err != nil {
 			t.Errorf("%s: %v", s.Mode, err)
@@ -272,16 +272,16 @@ func TestModeCheck(t *testing.T) {
 	}
 	cfg.Backend = config.BackendNVML
 	pipe := t.TempDir()
-	if err := modeCheck(cfg, []int{1}, pipe)(SchemeMPS); err == nil || !strings.Contains(err.Error(), "needs an MPS control daemon, and "+filepath.Join(pipe, "control")+" is not its socket") {
+	if err := modeCheck(cfg, []int{1}, pipe, noDRAErr)(SchemeMPS); err == nil || !strings.Contains(err.Error(), "needs an MPS control daemon, and "+filepath.Join(pipe, "control")+" is not its socket") {
 		t.Errorf("mps without a daemon: %v", err)
 	}
 	if err := os.WriteFile(filepath.Join(pipe, "control"), nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := modeCheck(cfg, []int{1}, pipe)(SchemeMPS); err == nil {
+	if err := modeCheck(cfg, []int{1}, pipe, noDRAErr)(SchemeMPS); err == nil {
 		t.Error("mps with a plain file for the daemon's socket passed")
 	}
-	if err := modeCheck(cfg, []int{1}, pipe)(SchemeCGPU); err != nil {
+	if err := modeCheck(cfg, []int{1}, pipe, noDRAErr)(SchemeCGPU); err != nil {
 		t.Errorf("cgpu on a native-burst-share GPU: %v", err)
 	}
 }
@@ -349,3 +349,6 @@ func TestMPSPipeMountedReadOnly(t *testing.T) {
 		t.Fatalf("mounts %+v, want /run/nvidia-mps read-only", r.Mounts)
 	}
 }
+
+// noDRAErr is a DRA driver that runs.
+func noDRAErr() error { return nil }

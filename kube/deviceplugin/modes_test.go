@@ -24,15 +24,15 @@ import (
 func TestParseMode(t *testing.T) {
 	t.Parallel()
 	for v, want := range map[string]string{"mgpu": "mgpu", "core_mem": "core_mem", "default": "default", "topology": "topology",
-		"cgpu": "cgpu", "share": "share", "mps": "mps"} {
+		"cgpu": "cgpu", "share": "share", "mps": "mps", "dra": "dra"} {
 		s, err := ParseMode(v)
 		if err != nil || s.Mode != want {
 			t.Errorf("ParseMode(%q) = %+v, %v", v, s, err)
 		}
 	}
 	for v, want := range map[string]string{
-		"Core_Mem": `ack.node.gpu.schedule="Core_Mem" is not a mode (mgpu serves mgpu, core_mem, default, topology, cgpu, share and mps)`,
-		"":         `ack.node.gpu.schedule="" is not a mode (mgpu serves mgpu, core_mem, default, topology, cgpu, share and mps)`,
+		"Core_Mem": `ack.node.gpu.schedule="Core_Mem" is not a mode (mgpu serves mgpu, core_mem, default, topology, cgpu, share, mps and dra)`,
+		"":         `ack.node.gpu.schedule="" is not a mode (mgpu serves mgpu, core_mem, default, topology, cgpu, share, mps and dra)`,
 	} {
 		if _, err := ParseMode(v); err == nil || err.Error() != want {
 			t.Errorf("ParseMode(%q): %v, want %q", v, err, want)
@@ -529,4 +529,94 @@ func TestInactivePluginDoesNotPoll(t *testing.T) {
 		t.Fatal("a repeated activation asked for a poll")
 	default:
 	}
+}
+
+// fakePool is a DRA driver of a fixed number of prepared claims.
+type fakePool struct {
+	prepared int
+	active   bool
+}
+
+func (f *fakePool) Prepared() int    { return f.prepared }
+func (f *fakePool) SetActive(a bool) { f.active = a }
+
+// Mode dra: the device plugins list nothing and mgpu-memory is 0, the DRA
+// pool lists the GPUs; a change from dra waits for the prepared claims,
+// and one into dra for the containers of the device plugins.
+func TestNodeModeDRA(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}})
+	var plugins []*Plugin
+	for _, s := range PluginSchemes() {
+		opts := []Option{WithScheme(s), WithLogger(testLogger())}
+		if s.Core == ACKMemory.Core {
+			opts = append(opts, WithMemory(map[int]uint64{0: 81920, 1: 81920}))
+		}
+		p, err := New([]int{0, 1}, newFakeCards(0, 1), append(opts, WithMode(SchemeMGPU))...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		plugins = append(plugins, p)
+	}
+	r := NewResolver("n1", []int{0, 1}, &fakePods{}, &fakeAllocs{})
+	allocs := &fakeAllocs{}
+	pool := &fakePool{}
+	n := NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs).WithDRA(pool)
+	setLabel := func(v string) {
+		t.Helper()
+		node, err := client.CoreV1().Nodes().Get(ctx, "n1", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		node.Labels = map[string]string{ModeLabel: v}
+		if v == "" {
+			node.Labels = nil
+		}
+		if _, err := client.CoreV1().Nodes().Update(ctx, node, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	check := func(when, mode, mgpuMem string) {
+		t.Helper()
+		if err := n.Publish(ctx); err != nil {
+			t.Fatalf("%s: %v", when, err)
+		}
+		node, err := client.CoreV1().Nodes().Get(ctx, "n1", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n.Current().Mode != mode || r.Scheme().Mode != mode {
+			t.Fatalf("%s: mode %s, resolver %s, want %s", when, n.Current().Mode, r.Scheme().Mode, mode)
+		}
+		if pool.active != (mode == "dra") {
+			t.Fatalf("%s: DRA pool active=%v in mode %s", when, pool.active, mode)
+		}
+		for _, p := range plugins {
+			if devs, _ := p.devices(); (len(devs) > 0) != (mode == "mgpu" && p.Scheme().Core == ResourceName) {
+				t.Fatalf("%s: plugin of %s lists %d devices in mode %s", when, p.Scheme().Core, len(devs), mode)
+			}
+		}
+		if q := node.Status.Capacity[MemoryResourceName]; q.String() != mgpuMem {
+			t.Fatalf("%s: capacity %s = %s, want %s", when, MemoryResourceName, q.String(), mgpuMem)
+		}
+	}
+	setLabel("mgpu")
+	check("mgpu", "mgpu", "163840")
+	allocs.allocs = []Allocation{{Namespace: "ns", Pod: "a", Container: "main", Resource: ResourceName, IDs: ids(0, 0, 30)}}
+	setLabel("dra")
+	check("dra while an mgpu pod runs", "mgpu", "163840")
+	allocs.allocs = nil
+	check("dra, node empty", "dra", "0")
+	pool.prepared = 2
+	setLabel("mgpu")
+	check("mgpu while two claims are prepared", "dra", "0")
+	setLabel("")
+	check("label removed while claims are prepared", "dra", "0")
+	// An agent that starts with prepared claims (its checkpoint) keeps dra.
+	n = NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs).WithDRA(pool)
+	pool.active = false
+	check("restart with prepared claims, no label", "dra", "0")
+	pool.prepared = 0
+	check("claims released", "mgpu", "163840")
 }

@@ -55,6 +55,7 @@ type NodePublisher struct {
 	deferred   string  // the mode whose change was last said to wait
 	refused    string  // the label value last said to be unsupported
 
+	dra     DRAPool                              // nil: no DRA driver
 	collect func(context.Context) allocview.Node // nil: no allocation annotation
 	check   func(Scheme) error                   // nil: every mode suits the node
 }
@@ -88,6 +89,23 @@ func NewNodePublisher(client kubernetes.Interface, node string, labels map[strin
 // the node serves the first plugin's scheme.
 func (n *NodePublisher) WithModes(def Scheme, r *Resolver, allocs AllocationSource) *NodePublisher {
 	n.modes, n.defaultSch, n.resolver, n.allocs = true, def, r, allocs
+	return n
+}
+
+// DRAPool is the DRA driver as the mode follows it (*dra.Driver).
+type DRAPool interface {
+	// Prepared is the number of claims the node prepared: while any is,
+	// the mode stays dra.
+	Prepared() int
+	// SetActive publishes the GPUs (true) or an empty pool.
+	SetActive(bool)
+}
+
+// WithDRA makes the publisher switch the DRA driver with the mode: its
+// pool lists the GPUs in mode dra only, and a change from dra waits until
+// no claim is prepared.
+func (n *NodePublisher) WithDRA(d DRAPool) *NodePublisher {
+	n.dra = d
 	return n
 }
 
@@ -324,10 +342,17 @@ func (n *NodePublisher) applyMode(ctx context.Context, labels map[string]string)
 			held[a.Resource]++
 		}
 	}
+	prepared := 0
+	if n.dra != nil {
+		prepared = n.dra.Prepared()
+	}
 	if n.current == nil {
 		// At start: the scheme that containers hold is the node's,
 		// whatever the label says now.
-		if s, ok := heldScheme(held, want); ok && s.Mode != want.Mode {
+		if prepared > 0 && want.Mode != SchemeDRA.Mode {
+			n.log.Warn("DRA claims are prepared on the node and the label's mode is another; keeping dra until they are released", "claims", prepared, "label", want.Mode)
+			want = SchemeDRA
+		} else if s, ok := heldScheme(held, want); ok && s.Mode != want.Mode {
 			n.log.Warn("containers hold device IDs of another mode than the label's; keeping it until they are gone", "mode", s.Mode, "label", want.Mode, "resources", s.Resources())
 			want = s
 		}
@@ -336,10 +361,14 @@ func (n *NodePublisher) applyMode(ctx context.Context, labels map[string]string)
 		for _, r := range n.current.Resources() {
 			k += held[r]
 		}
+		what := "containers"
+		if n.current.Enforce == EnforceDRA {
+			k, what = prepared, "claims"
+		}
 		if k > 0 {
 			if n.deferred != want.Mode {
-				n.log.Warn("mode change waits until no container holds the current mode's device IDs (drain the node's GPU pods)",
-					"from", n.current.Mode, "to", want.Mode, "containers", k, "resources", n.current.Resources())
+				n.log.Warn("mode change waits until no container holds the current mode's device IDs or DRA claims (drain the node's GPU pods)",
+					"from", n.current.Mode, "to", want.Mode, what, k, "resources", n.current.Resources())
 				n.deferred = want.Mode
 			}
 			return nil
@@ -350,6 +379,9 @@ func (n *NodePublisher) applyMode(ctx context.Context, labels map[string]string)
 	}
 	if n.resolver != nil {
 		n.resolver.SetScheme(want)
+	}
+	if n.dra != nil {
+		n.dra.SetActive(want.Enforce == EnforceDRA)
 	}
 	from := "none"
 	if n.current != nil {

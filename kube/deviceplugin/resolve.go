@@ -13,6 +13,7 @@ import (
 	"github.com/mgpu-dev/mgpu/hook"
 	"github.com/mgpu-dev/mgpu/internal/policy"
 	"github.com/mgpu-dev/mgpu/kube/agentapi"
+	"github.com/mgpu-dev/mgpu/kube/dra"
 )
 
 // MemoryResourceName is the node capacity the plugin publishes (MiB of GPU
@@ -178,8 +179,18 @@ type Resolver struct {
 	pods   PodSource
 	allocs AllocationSource
 	scheme atomic.Pointer[Scheme]
-	gpuPol map[int]policy.Policy // each GPU's policy (EnforceMemory's)
+	gpuPol map[int]policy.Policy // each GPU's policy (EnforceMemory's, EnforceDRA's)
+	claims ClaimSource           // the DRA driver's prepared claims (EnforceDRA)
 }
+
+// ClaimSource is what the DRA driver prepared (*dra.Driver).
+type ClaimSource interface {
+	Claim(namespace, name string) (dra.Claim, bool)
+}
+
+// SetClaims tells the resolver the DRA driver's claims, which answer
+// under SchemeDRA. Call it before serving.
+func (r *Resolver) SetClaims(c ClaimSource) { r.claims = c }
 
 // SetGPUPolicies tells the resolver the compute policy of each GPU (the
 // node config's), which a cgpu container's instance runs under. Call it
@@ -239,6 +250,9 @@ func (r *Resolver) Resolve(ctx context.Context, c agentapi.Container) (agentapi.
 		return agentapi.Assignment{}, refuse(c, "the pod has no such container")
 	}
 	sch := r.Scheme()
+	if sch.Enforce == EnforceDRA {
+		return r.resolveDRA(c, pod, spec)
+	}
 	req, err := sch.RequestOf(spec)
 	if err != nil {
 		return agentapi.Assignment{}, refuse(c, "%v", err)

@@ -69,6 +69,10 @@ const (
 	// it, so the request schedules and the MPS control daemon's own limit,
 	// if the operator sets one, is what holds.
 	EnforceMPS
+	// EnforceDRA is mgpu's DRA driver (package dra): the scheduler places
+	// ResourceClaims on the GPUs, and a container's instance is its
+	// claim's share; no device-plugin resource lists anything.
+	EnforceDRA
 )
 
 // Bare reports whether the scheme's containers get the GPU without mgpu's
@@ -114,6 +118,10 @@ var (
 	// to NVIDIA MPS (EnforceMPS, advisory); real GPUs with an MPS control
 	// daemon only.
 	SchemeMPS = Scheme{Mode: "mps", Memory: ACKMemory.Core, MemoryUnitMiB: 1024, MemoryIDs: true, Enforce: EnforceMPS}
+	// SchemeDRA is mgpu's own mode "dra": the GPUs are the DRA driver's
+	// (gpu.mgpu.io), placed by the scheduler per GPU; the device plugins
+	// list nothing and the memory capacities are 0.
+	SchemeDRA = Scheme{Mode: "dra", Enforce: EnforceDRA}
 
 	// ACKMemory is not a mode: it is the resource of the memory plugin,
 	// aliyun.com/gpu-mem in GiB, one device ID per GiB of each GPU, which
@@ -124,7 +132,7 @@ var (
 
 // Schemes lists every scheme the node agent serves, each through its own
 // plugin; the inactive ones advertise no devices and no memory.
-var Schemes = []Scheme{SchemeMGPU, SchemeCoreMem, SchemeDefault, SchemeTopology, SchemeCGPU, SchemeShare, SchemeMPS}
+var Schemes = []Scheme{SchemeMGPU, SchemeCoreMem, SchemeDefault, SchemeTopology, SchemeCGPU, SchemeShare, SchemeMPS, SchemeDRA}
 
 // PluginSchemes are the plugins the node agent runs, one per device-plugin
 // resource: each scheme's Core, and the memory plugin (ACKMemory).
