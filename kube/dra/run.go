@@ -3,6 +3,7 @@ package dra
 import (
 	"context"
 	"fmt"
+	"os"
 	"path/filepath"
 	"time"
 
@@ -27,6 +28,13 @@ type Health func(ctx context.Context) map[int]bool
 // NodeUnprepareResources, publishes the node's ResourceSlice, and polls
 // health every interval to taint the GPUs whose enforcer is down.
 func (d *Driver) Run(ctx context.Context, client kubernetes.Interface, kubeletDir string, health Health, interval time.Duration) error {
+	// The kubelet makes plugins_registry; plugins/<driver> is the
+	// driver's own (its checkpoint may be there already).
+	for _, dir := range []string{filepath.Join(kubeletDir, "plugins_registry"), DataDir(kubeletDir)} {
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			return fmt.Errorf("the DRA driver %s: %w", DriverName, err)
+		}
+	}
 	helper, err := kubeletplugin.Start(ctx, d,
 		kubeletplugin.DriverName(DriverName),
 		kubeletplugin.KubeClient(client),

@@ -38,6 +38,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	resourcev1 "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -48,6 +49,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/mgpu-dev/mgpu/internal/config"
+	"github.com/mgpu-dev/mgpu/kube/dra"
 )
 
 const (
@@ -356,7 +358,7 @@ func checkCommon(t *testing.T, m manifest) {
 		kind := fmt.Sprintf("%T", o)
 		switch o.(type) {
 		case *rbacv1.ClusterRole, *rbacv1.ClusterRoleBinding, *admissionregistrationv1.MutatingWebhookConfiguration,
-			*admissionregistrationv1.ValidatingAdmissionPolicy, *admissionregistrationv1.ValidatingAdmissionPolicyBinding:
+			*admissionregistrationv1.ValidatingAdmissionPolicy, *admissionregistrationv1.ValidatingAdmissionPolicyBinding, *resourcev1.DeviceClass:
 			check(kind, a.GetName(), a.GetNamespace(), a.GetLabels(), true)
 		default:
 			check(kind, a.GetName(), a.GetNamespace(), a.GetLabels(), false)
@@ -567,13 +569,14 @@ func checkNodeCommon(t *testing.T, m manifest) {
 	if nodeEnv == nil || nodeEnv.ValueFrom == nil || nodeEnv.ValueFrom.FieldRef == nil || nodeEnv.ValueFrom.FieldRef.FieldPath != "spec.nodeName" {
 		t.Errorf("agent NODE_NAME is not spec.nodeName: %+v", nodeEnv)
 	}
-	for _, p := range []string{"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/run/mgpu", "/tmp/nvidia-mps"} {
+	for _, p := range []string{"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/run/mgpu", "/tmp/nvidia-mps",
+		"/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins/gpu.mgpu.io"} {
 		if hp := hostPathAt(t, spec, agent, p); hp.Path != p {
 			t.Errorf("agent: %s is host path %q", p, hp.Path)
 		}
 	}
 	for _, f := range []string{"--placement=binpack", "--default-mode=mgpu", "--device-plugin-dir=/var/lib/kubelet/device-plugins",
-		"--pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock"} {
+		"--pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock", "--kubelet-dir=/var/lib/kubelet"} {
 		if !slices.Contains(agent.Command, f) {
 			t.Errorf("agent command %q lacks %s", agent.Command, f)
 		}
@@ -586,8 +589,8 @@ func checkNodeCommon(t *testing.T, m manifest) {
 		t.Errorf("ClusterRoleBinding %+v does not bind the node's service account", crb)
 	}
 	cr := must[*rbacv1.ClusterRole](t, m, nodeName)
-	if len(cr.Rules) != 3 {
-		t.Errorf("ClusterRole rules %+v, want node-agent.yaml's three", cr.Rules)
+	if len(cr.Rules) != 5 {
+		t.Errorf("ClusterRole rules %+v, want five: pods, nodes, nodes/status, and the DRA driver's resourceclaims and resourceslices", cr.Rules)
 	}
 	vap := must[*admissionregistrationv1.ValidatingAdmissionPolicy](t, m, nodeName)
 	user := fmt.Sprintf("system:serviceaccount:%s:%s", namespace, sa)
@@ -756,6 +759,15 @@ func TestRender(t *testing.T) {
 			}
 			if m.has("ConfigMap", "mgpu-dashboard") {
 				t.Error("the dashboard ConfigMap is rendered by default")
+			}
+			if m.has("DeviceClass", "gpu.mgpu.io") {
+				t.Error("a DeviceClass on a cluster without resource.k8s.io/v1")
+			}
+		}},
+		{"DRA", []string{"--api-versions", "resource.k8s.io/v1/DeviceClass"}, func(t *testing.T, m manifest) {
+			dc := must[*resourcev1.DeviceClass](t, m, dra.DeviceClassName)
+			if len(dc.Spec.Selectors) != 1 || dc.Spec.Selectors[0].CEL == nil || dc.Spec.Selectors[0].CEL.Expression != `device.driver == "`+dra.DriverName+`"` {
+				t.Errorf("DeviceClass selectors %+v", dc.Spec.Selectors)
 			}
 		}},
 		{"package mode", []string{"--set", "mode=package"}, func(t *testing.T, m manifest) {

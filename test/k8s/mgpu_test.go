@@ -20,6 +20,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	resourcev1 "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -271,7 +272,8 @@ func applyNodeChart(t *testing.T, c *Cluster) string {
 	t.Helper()
 	ctx := context.Background()
 	sa := ""
-	for _, obj := range RenderChart(t, "mgpu", admission.ExcludedNamespace, "--set", "mode=package", "--set", "webhook.enabled=false") {
+	for _, obj := range RenderChart(t, "mgpu", admission.ExcludedNamespace, "--set", "mode=package", "--set", "webhook.enabled=false",
+		"--api-versions", "resource.k8s.io/v1/DeviceClass") {
 		var err error
 		switch o := obj.(type) {
 		case *corev1.ServiceAccount:
@@ -285,6 +287,8 @@ func applyNodeChart(t *testing.T, c *Cluster) string {
 			_, err = c.Client.AdmissionregistrationV1().ValidatingAdmissionPolicies().Create(ctx, o, metav1.CreateOptions{})
 		case *admissionregistrationv1.ValidatingAdmissionPolicyBinding:
 			_, err = c.Client.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Create(ctx, o, metav1.CreateOptions{})
+		case *resourcev1.DeviceClass:
+			_, err = c.Client.ResourceV1().DeviceClasses().Create(ctx, o, metav1.CreateOptions{})
 		default:
 			continue // the DaemonSet and its ConfigMaps: the agent runs on the host
 		}
@@ -606,6 +610,7 @@ func TestMGPU(t *testing.T) {
 	t.Run("TenPods", func(t *testing.T) { testTenPods(t, m) })
 	t.Run("KubeletRestart", func(t *testing.T) { testKubeletRestart(t, m) })
 	t.Run("CGPU", func(t *testing.T) { testCGPU(t, m) })
+	t.Run("DRA", func(t *testing.T) { testDRA(t, m) })
 	t.Run("Share", func(t *testing.T) { testShare(t, m) })
 }
 
