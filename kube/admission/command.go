@@ -33,7 +33,11 @@ wrong with a message naming the field:
 A pod that asks for mgpu-core gets the annotation set to its policy and a
 required node affinity to nodes labelled ` + PolicyKey + `=<policy>.
 With the API server (--kubeconfig, $KUBECONFIG or in-cluster), a pending
-pod whose policy no node runs gets a FailedScheduling event naming it.
+pod whose policy no node runs gets a FailedScheduling event naming it, and
+in namespaces labelled ` + TranslateLabel + `=true the requests (mgpu's, and
+ACK's aliyun.com/gpu-core.percentage and aliyun.com/gpu-mem) become DRA
+claims of per-namespace ResourceClaimTemplates of DeviceClass gpu.mgpu.io,
+for nodes in mode dra.
 It serves POST ` + MutatePath + ` (AdmissionReview admission.k8s.io/v1) and GET ` + HealthPath + `
 over TLS, reading the certificate files again when they change. See
 docs/kubernetes.md.
@@ -106,7 +110,7 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	client, err := kubeclient.Client(*kubeconfig)
 	switch {
 	case errors.Is(err, kubeclient.ErrNone):
-		log.Debug("no API server: pods that no node's compute policy can take get only the scheduler's message", "err", err)
+		log.Debug("no API server: pods that no node's compute policy can take get only the scheduler's message, and no namespace's pods are translated into DRA claims", "err", err)
 		client = nil
 	case err != nil:
 		_ = l.Close()
@@ -118,10 +122,12 @@ func Command(args []string, stdout, stderr io.Writer) int {
 	defer cancel()
 	var wg sync.WaitGroup
 	defer wg.Wait()
+	var tr *Translator
 	if client != nil {
 		wg.Go(func() { NewExplainer(client, log).Run(ctx, *explain) })
+		tr = NewTranslator(client)
 	}
-	if err := Serve(ctx, l, *certFile, *keyFile, log); err != nil {
+	if err := Serve(ctx, l, *certFile, *keyFile, log, tr); err != nil {
 		cancel()
 		return fail(1, "%v", err)
 	}

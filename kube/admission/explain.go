@@ -26,8 +26,9 @@ const ExplainReason = "FailedScheduling"
 
 // Explainer tells the owner of a pod that cannot be scheduled because no
 // node runs its compute policy: the scheduler says only "didn't match
-// Pod's node affinity/selector". For each pending pod that asks for
-// mgpu-core, that the scheduler marked Unschedulable and whose policy no
+// Pod's node affinity/selector" (on a DRA node, "cannot allocate all
+// claims"). For each pending pod that asks for mgpu-core, or whose request
+// the webhook translated into a claim, that the scheduler marked Unschedulable and whose policy no
 // node's label names, it posts one Warning event (reason FailedScheduling)
 // naming the policy and the policies the nodes run.
 type Explainer struct {
@@ -72,7 +73,7 @@ func (e *Explainer) Once(ctx context.Context) error {
 	}
 	var pending []*corev1.Pod
 	for i := range pods.Items {
-		if p := &pods.Items[i]; asksCore(p) && unschedulable(p) {
+		if p := &pods.Items[i]; (asksCore(p) || translatedPod(p)) && unschedulable(p) {
 			pending = append(pending, p)
 		}
 	}
@@ -148,6 +149,18 @@ func asksCore(p *corev1.Pod) bool {
 			if _, ok := c.Resources.Requests[ResourceCore]; ok {
 				return true
 			}
+		}
+	}
+	return false
+}
+
+// translatedPod reports whether the pod's GPU request is a translated one
+// (a claim of a template the webhook made): on a DRA node the scheduler
+// says only "cannot allocate all claims".
+func translatedPod(p *corev1.Pod) bool {
+	for _, c := range p.Spec.ResourceClaims {
+		if c.ResourceClaimTemplateName != nil && strings.HasPrefix(*c.ResourceClaimTemplateName, TemplatePrefix) {
+			return true
 		}
 	}
 	return false

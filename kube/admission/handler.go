@@ -1,6 +1,7 @@
 package admission
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"log/slog"
 	"mime"
 	"net/http"
+	"time"
 
 	admissionv1 "k8s.io/api/admission/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -31,15 +33,22 @@ const reviewAPIVersion = "admission.k8s.io/v1"
 // handler serves the webhook.
 type handler struct {
 	log *slog.Logger
+	tr  *Translator // nil: no API server, no translation
 }
+
+// translateTimeout bounds the API calls of one translation.
+const translateTimeout = 5 * time.Second
 
 // NewHandler returns the webhook's HTTP handler: POST MutatePath takes an
 // admission.k8s.io/v1 AdmissionReview and answers one (see Admit), GET
 // HealthPath answers "ok". A body that is not an AdmissionReview is
 // answered 400 (413 when over MaxBodyBytes) with one line. Denials are
 // logged at info on log.
-func NewHandler(log *slog.Logger) http.Handler {
-	h := &handler{log: log}
+//
+// With a translator, pods of namespaces that opt in (TranslateLabel) get
+// their seed resources rewritten into DRA claims (Translator.Translate).
+func NewHandler(log *slog.Logger, tr *Translator) http.Handler {
+	h := &handler{log: log, tr: tr}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST "+MutatePath, h.mutate)
 	mux.HandleFunc("GET "+HealthPath, func(w http.ResponseWriter, _ *http.Request) {
@@ -65,7 +74,7 @@ func (h *handler) mutate(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, fmt.Sprintf("mgpu-webhook: read the AdmissionReview: %v", err), http.StatusBadRequest)
 		return
 	}
-	resp, err := h.review(body)
+	resp, err := h.review(r.Context(), body)
 	if err != nil {
 		http.Error(w, "mgpu-webhook: "+err.Error(), http.StatusBadRequest)
 		return
@@ -84,7 +93,7 @@ func (h *handler) mutate(w http.ResponseWriter, r *http.Request) {
 
 // review answers the AdmissionReview in body; an error is a body that is
 // not one.
-func (h *handler) review(body []byte) (*admissionv1.AdmissionResponse, error) {
+func (h *handler) review(ctx context.Context, body []byte) (*admissionv1.AdmissionResponse, error) {
 	var rev admissionv1.AdmissionReview
 	if err := json.Unmarshal(body, &rev); err != nil {
 		return nil, fmt.Errorf("bad AdmissionReview: %w", err)
@@ -116,6 +125,9 @@ func (h *handler) review(body []byte) (*admissionv1.AdmissionResponse, error) {
 	name = req.Namespace + "/" + name
 
 	ops, err := Admit(&pod)
+	if err == nil && h.tr != nil && AsksSeed(&pod) {
+		ops, err = h.translate(ctx, req.Namespace, &pod, ops)
+	}
 	if d := (*Denial)(nil); errors.As(err, &d) {
 		h.log.Info("denied", "pod", name, "uid", req.UID, "reason", d.Error())
 		resp.Allowed = false
@@ -140,4 +152,33 @@ func (h *handler) review(body []byte) (*admissionv1.AdmissionResponse, error) {
 	}
 	h.log.Debug("admitted", "pod", name, "uid", req.UID, "operations", len(ops))
 	return resp, nil
+}
+
+// translate returns the translation's operations in place of Admit's ops
+// when the pod's namespace opted in, else ops. A namespace that cannot be
+// read, or a template that cannot be made, refuses the pod (a pod asking
+// for GPUs; the API server retries its controller's creation).
+func (h *handler) translate(ctx context.Context, ns string, pod *corev1.Pod, ops []PatchOperation) ([]PatchOperation, error) {
+	ctx, cancel := context.WithTimeout(ctx, translateTimeout)
+	defer cancel()
+	pod.Namespace = ns
+	in, err := h.tr.OptedIn(ctx, ns)
+	if err != nil {
+		return nil, &Denial{Causes: []string{fmt.Sprintf("mgpu-webhook cannot tell whether the namespace opts into DRA (%s): %v", TranslateLabel, err)}}
+	}
+	if !in {
+		return ops, nil
+	}
+	pol, err := podPolicy(pod) // Admit checked it
+	if err != nil {
+		return nil, err
+	}
+	tops, err := h.tr.Translate(ctx, pod, pol)
+	if d := (*Denial)(nil); errors.As(err, &d) {
+		return nil, err
+	}
+	if err != nil {
+		return nil, &Denial{Causes: []string{"mgpu-webhook: " + err.Error()}}
+	}
+	return tops, nil
 }

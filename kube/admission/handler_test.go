@@ -2,6 +2,7 @@ package admission
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -32,7 +33,7 @@ const (
 func TestHandlerReview(t *testing.T) {
 	t.Parallel()
 	log, logs := testLogger()
-	srv := httptest.NewTLSServer(NewHandler(log))
+	srv := httptest.NewTLSServer(NewHandler(log, nil))
 	t.Cleanup(srv.Close) // after the parallel subtests
 	for _, tc := range []struct {
 		name    string
@@ -115,7 +116,7 @@ func TestHandlerReview(t *testing.T) {
 func TestHandlerBadRequests(t *testing.T) {
 	t.Parallel()
 	log, _ := testLogger()
-	srv := httptest.NewTLSServer(NewHandler(log))
+	srv := httptest.NewTLSServer(NewHandler(log, nil))
 	t.Cleanup(srv.Close)
 	huge := reviewJSON("u", "CREATE", "", "Pod", `{"metadata":{"annotations":{"x":"`+strings.Repeat("x", MaxBodyBytes)+`"}}}`)
 	for _, tc := range []struct {
@@ -184,7 +185,7 @@ func TestHandlerBadRequests(t *testing.T) {
 func TestHandlerHealth(t *testing.T) {
 	t.Parallel()
 	log, _ := testLogger()
-	srv := httptest.NewTLSServer(NewHandler(log))
+	srv := httptest.NewTLSServer(NewHandler(log, nil))
 	defer srv.Close()
 	resp, err := srv.Client().Get(srv.URL + HealthPath)
 	if err != nil {
@@ -208,7 +209,7 @@ func FuzzReview(f *testing.F) {
 	log, _ := testLogger()
 	h := &handler{log: log}
 	f.Fuzz(func(t *testing.T, body []byte) {
-		resp, err := h.review(body)
+		resp, err := h.review(context.Background(), body)
 		if err != nil {
 			return
 		}

@@ -34,13 +34,7 @@ func Requirement(p policy.Policy) corev1.NodeSelectorRequirement {
 // that already has the annotation and the requirement everywhere gets no
 // operation.
 func patch(pod *corev1.Pod, p policy.Policy) []PatchOperation {
-	var ops []PatchOperation
-	switch {
-	case len(pod.Annotations) == 0:
-		ops = append(ops, PatchOperation{Op: "add", Path: "/metadata/annotations", Value: map[string]string{PolicyKey: p.String()}})
-	case pod.Annotations[PolicyKey] != p.String():
-		ops = append(ops, PatchOperation{Op: "add", Path: "/metadata/annotations/" + escape(PolicyKey), Value: p.String()})
-	}
+	ops := annotationOps(pod, p)
 
 	req := Requirement(p)
 	term := corev1.NodeSelectorTerm{MatchExpressions: []corev1.NodeSelectorRequirement{req}}
@@ -79,6 +73,17 @@ func patch(pod *corev1.Pod, p policy.Policy) []PatchOperation {
 		}
 	}
 	return ops
+}
+
+// annotationOps set the pod's policy annotation to p (none when it is).
+func annotationOps(pod *corev1.Pod, p policy.Policy) []PatchOperation {
+	switch {
+	case len(pod.Annotations) == 0:
+		return []PatchOperation{{Op: "add", Path: "/metadata/annotations", Value: map[string]string{PolicyKey: p.String()}}}
+	case pod.Annotations[PolicyKey] != p.String():
+		return []PatchOperation{{Op: "add", Path: "/metadata/annotations/" + escape(PolicyKey), Value: p.String()}}
+	}
+	return nil
 }
 
 // sameRequirement reports whether a and b select the same nodes by the

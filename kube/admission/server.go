@@ -23,18 +23,18 @@ const (
 	shutdownTimeout   = 5 * time.Second
 )
 
-// Serve serves NewHandler over TLS on l until ctx ends, then shuts down
+// Serve serves NewHandler (with tr, which may be nil) over TLS on l until ctx ends, then shuts down
 // gracefully. The serving certificate and key are PEM files, read again
 // when either changes (a Secret volume updated in place, a renewed
 // certificate); a pair that does not load keeps the one before. A pair
 // that does not load at the start is an error.
-func Serve(ctx context.Context, l net.Listener, certFile, keyFile string, log *slog.Logger) error {
+func Serve(ctx context.Context, l net.Listener, certFile, keyFile string, log *slog.Logger, tr *Translator) error {
 	kp := &keyPair{certFile: certFile, keyFile: keyFile, log: log}
 	if _, err := kp.certificate(nil); err != nil {
 		return err
 	}
 	srv := &http.Server{
-		Handler: NewHandler(log),
+		Handler: NewHandler(log, tr),
 		TLSConfig: &tls.Config{
 			MinVersion:     tls.VersionTLS12,
 			GetCertificate: kp.certificate,

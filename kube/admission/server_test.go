@@ -66,7 +66,7 @@ func TestServe(t *testing.T) {
 	addr := l.Addr().String()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Serve(ctx, l, filepath.Join(dir, CertFile), filepath.Join(dir, KeyFile), log) }()
+	go func() { done <- Serve(ctx, l, filepath.Join(dir, CertFile), filepath.Join(dir, KeyFile), log, nil) }()
 
 	client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
 		TLSClientConfig: &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12},
@@ -152,7 +152,7 @@ func TestServeWithoutCertificate(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	err = Serve(context.Background(), l, filepath.Join(dir, CertFile), filepath.Join(dir, KeyFile), log)
+	err = Serve(context.Background(), l, filepath.Join(dir, CertFile), filepath.Join(dir, KeyFile), log, nil)
 	if err == nil || !strings.Contains(err.Error(), "load the serving certificate") {
 		t.Errorf("got %v", err)
 	}
@@ -162,7 +162,7 @@ func TestServeWithoutCertificate(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(dir, KeyFile), []byte("junk"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	err = Serve(context.Background(), l, filepath.Join(dir, CertFile), filepath.Join(dir, KeyFile), log)
+	err = Serve(context.Background(), l, filepath.Join(dir, CertFile), filepath.Join(dir, KeyFile), log, nil)
 	if err == nil || !strings.Contains(err.Error(), "load the serving certificate: tls: failed to find any PEM data") {
 		t.Errorf("got %v", err)
 	}

@@ -8,6 +8,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -19,7 +20,10 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/mgpu-dev/mgpu/enforcer/api"
+	"github.com/mgpu-dev/mgpu/kube/admission"
 	"github.com/mgpu-dev/mgpu/kube/dra"
 	"github.com/mgpu-dev/mgpu/test/harness"
 )
@@ -176,6 +180,8 @@ func testDRA(t *testing.T, m *mgpuNode) {
 	if s[0] < 95 {
 		t.Errorf("the DRA 30 beside an idle 70 got %.2f%%, want >= 95", s[0])
 	}
+	testDRARestarts(t, m, p30, p70)
+
 	claim70 := m.claimOf(t, p70)
 	start := time.Now()
 	m.testRelease(t, p70)
@@ -196,11 +202,46 @@ func testDRA(t *testing.T, m *mgpuNode) {
 	m.deleteDeployment(t, "dra30")
 
 	testDRAFit(t, m)
+	testDRASeed(t, m)
 
 	// Back to mgpu once no claim is prepared.
 	m.setMode(t, "", false)
 	m.waitNodeResources(t, map[corev1.ResourceName]int64{coreKey: 200, memoryKey: 2 * gpuMiB})
 	m.waitDRASlice(t, 0)
+}
+
+// testDRARestarts: with the 30 and the 70 running, a kubelet restart and an
+// agent restart keep their instances and the driver's prepared claims (the
+// restarted agent restores them from its checkpoint and serves dra again),
+// and the 30 still gets the GPU beside the idle 70.
+func testDRARestarts(t *testing.T, m *mgpuNode, p30, p70 *corev1.Pod) {
+	before := []api.Instance{m.instanceOf(t, p30), m.instanceOf(t, p70)}
+	claims := checkpointClaims(t)
+	same := func(when string) {
+		t.Helper()
+		for i, p := range []*corev1.Pod{p30, p70} {
+			if now := m.instanceOf(t, p); now.Name != before[i].Name || now.PID != before[i].PID || now.Core != before[i].Core {
+				t.Errorf("%s: instance %+v became %+v", when, before[i], now)
+			}
+		}
+		if now := checkpointClaims(t); !reflect.DeepEqual(now, claims) {
+			t.Errorf("%s: prepared claims %+v, were %+v", when, now, claims)
+		}
+	}
+	m.RestartKubelet(t)
+	m.WaitPodPhase(t, "default", p30.Name, corev1.PodRunning, 60*time.Second)
+	m.WaitPodPhase(t, "default", p70.Name, corev1.PodRunning, 60*time.Second)
+	same("after the kubelet restart")
+	m.restartAgent(t)
+	m.waitLogged(t, 30*time.Second, "msg=\"DRA claims restored", fmt.Sprintf("claims=%d", len(claims)))
+	m.waitLogged(t, 30*time.Second, "msg=mode ", "to=dra")
+	m.waitDRASlice(t, 2)
+	same("after the agent restart")
+	s := m.shares(t, []*corev1.Pod{p30}, time.Second, 5*time.Second)
+	t.Logf("DRA 30 beside the idle 70 after the kubelet and agent restarts: %.2f", s[0])
+	if s[0] < 95 {
+		t.Errorf("the DRA 30 beside an idle 70 got %.2f%% after the restarts, want >= 95", s[0])
+	}
 }
 
 // testDRAFit: the scheduler fits claims per GPU. With 50 GiB (and 60 and
@@ -229,5 +270,137 @@ func testDRAFit(t *testing.T, m *mgpuNode) {
 	}
 	for _, name := range []string{"fit-b", "fit-mem", "fit-core"} {
 		m.deleteDeployment(t, name)
+	}
+}
+
+// translateDefault opts the namespace default into the webhook's DRA
+// translation until the test ends.
+func (m *mgpuNode) translateDefault(t *testing.T) {
+	t.Helper()
+	ctx := context.Background()
+	set := func(v *string) error {
+		b, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]any{admission.TranslateLabel: v}}})
+		_, err := m.Client.CoreV1().Namespaces().Patch(ctx, "default", types.MergePatchType, b, metav1.PatchOptions{})
+		return err
+	}
+	yes := "true"
+	if err := set(&yes); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := set(nil); err != nil {
+			t.Errorf("namespace default: remove %s: %v", admission.TranslateLabel, err)
+		}
+	})
+}
+
+// testDRASeed: in a namespace that opts in, seed 000's Deployment,
+// unchanged, runs on the DRA node as a claim of the per-namespace template
+// of its request (30 % and 4096 MiB under guaranteed-burst-share), and the
+// same Deployment of a policy no GPU runs stays Pending with an event that
+// names it. Ten seed pods of mixed requests created at once then never
+// over-commit a GPU, and those that cannot fit stay Pending with the
+// scheduler's reason.
+func testDRASeed(t *testing.T, m *mgpuNode) {
+	m.translateDefault(t)
+	p := m.running(t, m.deploy(t, seedDeployment("seed-dra", "guaranteed-burst-share", 30, 4096, saturate(3600))).Name, "start")
+	if len(p.Spec.ResourceClaims) != 1 || p.Spec.ResourceClaims[0].ResourceClaimTemplateName == nil ||
+		*p.Spec.ResourceClaims[0].ResourceClaimTemplateName != "mgpu-guaranteed-burst-share-30c-4096mi" {
+		t.Errorf("the seed's pod was not translated: resourceClaims %+v", p.Spec.ResourceClaims)
+	}
+	if _, ok := p.Spec.Containers[0].Resources.Limits[coreKey]; ok {
+		t.Errorf("the translated pod still asks for %s", coreKey)
+	}
+	if log := m.PodLog(t, "default", p.Name, "main"); !strings.Contains(log, "mem_total=4294967296") {
+		t.Errorf("cuMemGetInfo in the translated seed pod does not say 4096 MiB:\n%s", log)
+	}
+	if in := m.instanceOf(t, p); in.Core != 30 || in.MemoryMiB != 4096 || in.Policy != "guaranteed-burst-share" {
+		t.Errorf("the translated seed pod's instance %+v, want core 30, 4096 MiB, guaranteed-burst-share", in)
+	}
+	fixed := m.deploy(t, seedDeployment("seed-dra-fixed", "fixed-share", 30, 4096, saturate(3600)))
+	ev := m.waitEvent(t, fixed.Name, "FailedScheduling", "fixed-share", 60*time.Second)
+	t.Logf("translated fixed-share pod: FailedScheduling: %s", ev.Message)
+	m.deleteDeployment(t, "seed-dra-fixed")
+	m.deleteDeployment(t, "seed-dra")
+
+	testDRATenPods(t, m)
+}
+
+// testDRATenPods creates ten translated pods of mixed requests at once.
+func testDRATenPods(t *testing.T, m *mgpuNode) {
+	type req struct{ core, mem int }
+	reqs := []req{{50, 40000}, {30, 30000}, {60, 20000}, {20, 50000}, {100, 0}, {10, 10000}, {40, 30000}, {30, 70000}, {90, 1000}, {5, 2000}}
+	ctx := context.Background()
+	defer m.deleteAll(t, "test=dra-ten")
+	for i, r := range reqs {
+		pod := workloadPod(fmt.Sprintf("dra-ten-%d", i), "guaranteed-burst-share", r.core, r.mem, "echo ready; "+idle)
+		pod.Labels = map[string]string{"test": "dra-ten"}
+		if _, err := m.Client.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Settled: no pod changes phase or readiness for 10 s.
+	var last string
+	var stableSince time.Time
+	var pods []corev1.Pod
+	err := harness.WaitFor(150*time.Second, func() error {
+		l, err := m.Client.CoreV1().Pods("default").List(ctx, metav1.ListOptions{LabelSelector: "test=dra-ten"})
+		if err != nil {
+			return err
+		}
+		var b strings.Builder
+		for _, p := range l.Items {
+			ready := len(p.Status.ContainerStatuses) > 0 && p.Status.ContainerStatuses[0].Ready
+			fmt.Fprintf(&b, "%s=%s/%v ", p.Name, p.Status.Phase, ready)
+		}
+		if b.String() != last {
+			last, stableSince = b.String(), time.Now()
+		}
+		pods = l.Items
+		if time.Since(stableSince) < 10*time.Second {
+			return errors.New("pods still change: " + last)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("settled: %s", last)
+	insts, err := m.n.Instances()
+	if err != nil {
+		t.Fatal(err)
+	}
+	core := map[int]int{}
+	mib := map[int]uint64{}
+	for _, in := range insts {
+		core[in.Device] += in.Core
+		mib[in.Device] += in.MemoryMiB
+	}
+	for g := range 2 {
+		t.Logf("GPU %d: %d%% of cores, %d MiB", g, core[g], mib[g])
+		if core[g] > 100 || mib[g] > gpuMiB {
+			t.Errorf("GPU %d over-committed: %d%% of cores, %d MiB", g, core[g], mib[g])
+		}
+	}
+	running := 0
+	for i := range pods {
+		p := &pods[i]
+		switch p.Status.Phase {
+		case corev1.PodRunning:
+			running++
+			m.instanceOf(t, p)
+		case corev1.PodPending:
+			if p.Spec.NodeName != "" {
+				t.Errorf("pod %s is bound and not running: %+v", p.Name, p.Status)
+				continue
+			}
+			ev := m.waitEvent(t, p.Name, "FailedScheduling", "cannot allocate all claims", 30*time.Second)
+			t.Logf("%s pending: %s", p.Name, ev.Message)
+		default:
+			t.Errorf("pod %s is %s", p.Name, p.Status.Phase)
+		}
+	}
+	if running == 0 || running == len(pods) {
+		t.Errorf("%d of %d pods run; the requests fit some but not all", running, len(pods))
 	}
 }

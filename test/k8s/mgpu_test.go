@@ -52,7 +52,10 @@ type mgpuNode struct {
 	*Cluster
 	n      *e2e.Node
 	plugin *exec.Cmd
-	log    string // the plugin's log
+	// agentArgs and agentLog start the agent again (restartAgent).
+	agentArgs []string
+	agentLog  *os.File
+	log       string // the plugin's log
 }
 
 // Credentials of the node agent.
@@ -217,23 +220,12 @@ func (m *mgpuNode) startPlugin(t *testing.T, creds int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(bin, "--config", m.n.ConfigPath, "--kubeconfig", kubeconfig, //nolint:gosec // the build's binary
-		"--node-name", m.NodeName, "--node-interval", "1s", "--log-level", "debug")
-	cmd.Stdout, cmd.Stderr = logf, logf
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	m.plugin = cmd
+	m.agentArgs = []string{bin, "--config", m.n.ConfigPath, "--kubeconfig", kubeconfig,
+		"--node-name", m.NodeName, "--node-interval", "1s", "--log-level", "debug"}
+	m.agentLog = logf
+	m.startAgent(t)
 	t.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Interrupt)
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
+		m.stopAgent()
 		_ = logf.Close()
 		if t.Failed() {
 			data, _ := os.ReadFile(m.log)
@@ -241,6 +233,40 @@ func (m *mgpuNode) startPlugin(t *testing.T, creds int) {
 		}
 	})
 	m.waitResources(t, 60*time.Second)
+}
+
+// startAgent starts the agent's process (m.agentArgs, its output to
+// m.agentLog) as m.plugin.
+func (m *mgpuNode) startAgent(t *testing.T) {
+	t.Helper()
+	cmd := exec.Command(m.agentArgs[0], m.agentArgs[1:]...) //nolint:gosec // the build's binary
+	cmd.Stdout, cmd.Stderr = m.agentLog, m.agentLog
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	m.plugin = cmd
+}
+
+// stopAgent stops m.plugin as SIGINT does, killing it after 10 s.
+func (m *mgpuNode) stopAgent() {
+	cmd := m.plugin
+	_ = cmd.Process.Signal(os.Interrupt)
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		_ = cmd.Process.Kill()
+		<-done
+	}
+}
+
+// restartAgent stops the agent and starts it again, as a DaemonSet's
+// rolling update or a crash would.
+func (m *mgpuNode) restartAgent(t *testing.T) {
+	t.Helper()
+	m.stopAgent()
+	m.startAgent(t)
 }
 
 // waitResources waits until the node offers 200 mgpu-core and all the
