@@ -89,6 +89,11 @@ func (h *Hook) podRequests(ctx context.Context, c agentapi.Container, devs []Dev
 		}
 		r := base
 		r.Policy, r.Core, r.MemoryMiB, r.Class = pol.String(), g.Core, g.MemoryMiB, a.Class
+		if g.Claim != "" && r.Pod != nil {
+			p := *r.Pod // base's is every GPU's
+			p.Claim = g.Claim
+			r.Pod = &p
+		}
 		out[i] = r
 	}
 	return out, nil

@@ -83,7 +83,7 @@ func TestCreatePodUsesItsAssignment(t *testing.T) {
 	}
 	withAnnotations(t, st, ann)
 	agent := &fakeAgent{a: agentapi.Assignment{Policy: "guaranteed-burst-share", Class: "offline", GPUs: []agentapi.GPU{
-		{Index: 0, Core: 100, MemoryMiB: 0}, {Index: 1, Core: 100, MemoryMiB: 2048},
+		{Index: 0, Core: 100, MemoryMiB: 0}, {Index: 1, Core: 100, MemoryMiB: 2048, Claim: "train-0-gpu-x7k2q"},
 	}}}
 	fakes[0].memoryMiB = 81920
 	h := New(cfg, WithProc(proc), WithAgent(agent), WithEnforcers(func(i int) Enforcer { return fakes[i] }))
@@ -101,10 +101,12 @@ func TestCreatePodUsesItsAssignment(t *testing.T) {
 	if p, c := fakes[1].lastPolicy, fakes[1].lastClass; p != "guaranteed-burst-share" || c != "offline" {
 		t.Fatalf("policy %q, class %q", p, c)
 	}
-	// The instance is labelled with its pod container (metrics).
-	for i, f := range fakes {
-		if p := f.lastPod; p == nil || *p != (api.PodRef{Namespace: "team-a", Name: "train-0", Container: "main"}) {
-			t.Fatalf("device %d: pod %+v", i, p)
+	// The instance is labelled with its pod container (metrics), and a
+	// DRA share with its claim.
+	for i, want := range []api.PodRef{{Namespace: "team-a", Name: "train-0", Container: "main"},
+		{Namespace: "team-a", Name: "train-0", Container: "main", Claim: "train-0-gpu-x7k2q"}} {
+		if p := fakes[i].lastPod; p == nil || *p != want {
+			t.Fatalf("device %d: pod %+v, want %+v", i, p, want)
 		}
 	}
 }

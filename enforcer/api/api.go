@@ -109,15 +109,21 @@ type PodRef struct {
 	Namespace string `json:"namespace"`
 	Name      string `json:"name"`
 	Container string `json:"container"`
+	// Claim is the DRA ResourceClaim (in Namespace) whose share the
+	// instance is; "" when none.
+	Claim string `json:"claim,omitempty"`
 }
 
 // MaxPodRefLen bounds each PodRef field (a DNS subdomain is at most 253).
 const MaxPodRefLen = 253
 
-// Validate checks that every field is set, printable and at most
-// MaxPodRefLen bytes.
+// Validate checks that every field but Claim is set, and that each is
+// printable and at most MaxPodRefLen bytes.
 func (p *PodRef) Validate() error {
-	for _, f := range []struct{ key, val string }{{"namespace", p.Namespace}, {"name", p.Name}, {"container", p.Container}} {
+	for _, f := range []struct{ key, val string }{{"namespace", p.Namespace}, {"name", p.Name}, {"container", p.Container}, {"claim", p.Claim}} {
+		if f.key == "claim" && f.val == "" {
+			continue
+		}
 		if f.val == "" || len(f.val) > MaxPodRefLen {
 			return fmt.Errorf("%w: pod %s must be 1 to %d bytes", ErrBadRequest, f.key, MaxPodRefLen)
 		}

@@ -53,6 +53,9 @@ const nodeListPage = 500
 type clusterNode struct {
 	inspectReport
 	Updated time.Time `json:"updated"`
+	// DRA are the shares of the node's GPUs that DRA claims of mgpu's
+	// driver hold (node mode dra), by GPU.
+	DRA []draShare `json:"dra_claims,omitempty"`
 }
 
 // skippedNode is a node that `inspect --cluster` does not show, and why.
@@ -182,6 +185,15 @@ func inspectCluster(c *cli.Context) error {
 		return err
 	}
 	r := newClusterReport(nodes, clusterNow())
+	if dc, err := draClientOf(c.String("kubeconfig")); err != nil {
+		r.notes = append(r.notes, fmt.Sprintf("DRA claims not shown: %v", err))
+	} else if shares, err := draShares(ctx, dc); err != nil {
+		r.notes = append(r.notes, fmt.Sprintf("DRA claims not shown: %v", err))
+	} else {
+		for i := range r.Nodes {
+			r.Nodes[i].DRA = shares[r.Nodes[i].Node]
+		}
+	}
 	if format == "json" {
 		return writeJSON(c.App.Writer, r)
 	}
@@ -192,7 +204,10 @@ func inspectCluster(c *cli.Context) error {
 	for i, n := range r.Nodes {
 		rows[i] = n.inspectReport
 	}
-	return writeInspectTable(c.App.Writer, rows)
+	if err := writeInspectTable(c.App.Writer, rows); err != nil {
+		return err
+	}
+	return writeDRATable(c.App.Writer, r.Nodes)
 }
 
 // clusterFlags are the flags of inspect --cluster and kubectl inspect mgpu

@@ -9,13 +9,18 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	resourcev1 "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	resourcev1client "k8s.io/client-go/kubernetes/typed/resource/v1"
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/mgpu-dev/mgpu/kube/allocview"
+	"github.com/mgpu-dev/mgpu/kube/dra"
 )
 
 // gpus15 are four 15 GiB GPUs (the seed's) with alloc GiB allocated each.
@@ -76,14 +81,16 @@ func fakeCluster(t *testing.T) []runtime.Object {
 // t0; it returns the kubeconfig the commands asked for.
 func useFakeCluster(t *testing.T, objs ...runtime.Object) *string {
 	t.Helper()
-	origClient, origNow := kubeClientOf, clusterNow
+	origClient, origDRA, origNow := kubeClientOf, draClientOf, clusterNow
 	var asked string
+	cs := fake.NewClientset(objs...)
 	kubeClientOf = func(kubeconfig string) (corev1client.CoreV1Interface, error) {
 		asked = kubeconfig
-		return fake.NewClientset(objs...).CoreV1(), nil
+		return cs.CoreV1(), nil
 	}
+	draClientOf = func(string) (resourcev1client.ResourceV1Interface, error) { return cs.ResourceV1(), nil }
 	clusterNow = func() time.Time { return t0 }
-	t.Cleanup(func() { kubeClientOf, clusterNow = origClient, origNow })
+	t.Cleanup(func() { kubeClientOf, draClientOf, clusterNow = origClient, origDRA, origNow })
 	return &asked
 }
 
@@ -220,12 +227,13 @@ func TestInspectClusterPages(t *testing.T) {
 		limits = append(limits, opts.Limit)
 		return true, pages[opts.Continue], nil
 	})
-	orig := kubeClientOf
+	orig, origDRA := kubeClientOf, draClientOf
 	kubeClientOf = func(string) (corev1client.CoreV1Interface, error) { return client.CoreV1(), nil }
-	t.Cleanup(func() { kubeClientOf = orig })
+	draClientOf = func(string) (resourcev1client.ResourceV1Interface, error) { return client.ResourceV1(), nil }
+	t.Cleanup(func() { kubeClientOf, draClientOf = orig, origDRA })
 
 	out, stderr, code := run(t, "inspect", "--cluster")
-	if code != 0 || len(limits) != 2 || limits[0] != nodeListPage {
+	if code != 0 || len(limits) != 2 || limits[0] != nodeListPage || strings.Contains(stderr, "DRA") {
 		t.Fatalf("status %d limits %v: %s", code, limits, stderr)
 	}
 	lines := strings.Split(out, "\n")
@@ -332,5 +340,69 @@ func TestWriteInspectTableCells(t *testing.T) {
 	}
 	if lines := strings.Split(b.String(), "\n"); len(lines) != 6 || lines[1] != "a?b?c  -          0/0" {
 		t.Errorf("%q", b.String())
+	}
+}
+
+// TestInspectClusterDRA: the shares that DRA claims of mgpu's driver hold
+// on a node show below the table and in the node's JSON; other drivers'
+// and unallocated claims do not.
+func TestInspectClusterDRA(t *testing.T) {
+	claim := func(ns, name, driver, pool, device, cores, mem string, pods ...string) *resourcev1.ResourceClaim {
+		c := &resourcev1.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}}
+		c.Status.Allocation = &resourcev1.AllocationResult{Devices: resourcev1.DeviceAllocationResult{Results: []resourcev1.DeviceRequestAllocationResult{{
+			Request: "gpu", Driver: driver, Pool: pool, Device: device,
+			ConsumedCapacity: map[resourcev1.QualifiedName]resource.Quantity{draCapCores: resource.MustParse(cores), draCapMemory: resource.MustParse(mem)},
+		}}}}
+		for _, p := range pods {
+			c.Status.ReservedFor = append(c.Status.ReservedFor, resourcev1.ResourceClaimConsumerReference{Resource: "pods", Name: p, UID: "u-" + types.UID(p)})
+		}
+		return c
+	}
+	objs := append(fakeCluster(t),
+		claim("ml", "train-gpu-x7k2q", dra.DriverName, "gpu-node-1", "gpu-0", "30", "4Gi", "train"),
+		claim("ml", "eval-gpu-q2k9z", dra.DriverName, "gpu-node-1", "gpu-0", "70", "8Gi", "eval"),
+		claim("ml", "nic", "nic.example.com", "gpu-node-1", "gpu-0", "1", "1Mi", "train"),
+		&resourcev1.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "ml", Name: "pending"}},
+	)
+	useFakeCluster(t, objs...)
+	out, stderr, code := run(t, "inspect", "--cluster")
+	if code != 0 || stderr != clusterNotes {
+		t.Fatalf("status %d: %s", code, stderr)
+	}
+	want := "\nDRA claims (gpu.mgpu.io):\n" +
+		"NODE        GPU  CLAIM               PODS   CORE  MEMORY(MiB)\n" +
+		"gpu-node-1  0    ml/eval-gpu-q2k9z   eval   70%   8192\n" +
+		"gpu-node-1  0    ml/train-gpu-x7k2q  train  30%   4096\n"
+	if !strings.HasSuffix(out, want) {
+		t.Errorf("table ends\n%s\nwant\n%s", out, want)
+	}
+	out, _, code = run(t, "inspect", "--cluster", "-o", "json")
+	if code != 0 {
+		t.Fatalf("json: status %d", code)
+	}
+	var r struct {
+		Nodes []struct {
+			Node string     `json:"node"`
+			DRA  []draShare `json:"dra_claims"`
+		}
+	}
+	if err := json.Unmarshal([]byte(out), &r); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range r.Nodes {
+		if n.Node == "gpu-node-1" {
+			if len(n.DRA) != 2 || n.DRA[1].Claim != "train-gpu-x7k2q" || n.DRA[1].Core != 30 || n.DRA[1].MemoryMiB != 4096 || n.DRA[1].Pods[0] != "train" {
+				t.Errorf("gpu-node-1 DRA %+v", n.DRA)
+			}
+		} else if len(n.DRA) != 0 {
+			t.Errorf("%s DRA %+v", n.Node, n.DRA)
+		}
+	}
+}
+
+// The CLI's copies of the driver's names are the driver's.
+func TestDRANames(t *testing.T) {
+	if draDriver != dra.DriverName || draCapCores != string(dra.CapCores) || draCapMemory != string(dra.CapMemory) {
+		t.Errorf("%s %s %s, the driver's %s %s %s", draDriver, draCapCores, draCapMemory, dra.DriverName, dra.CapCores, dra.CapMemory)
 	}
 }

@@ -35,6 +35,7 @@ type topInstance struct {
 	Namespace        string   `json:"namespace"`
 	Pod              string   `json:"pod"`
 	Container        string   `json:"container"`
+	Claim            string   `json:"claim"` // the DRA ResourceClaim, "" when none
 	Core             int      `json:"core"`
 	Class            string   `json:"class"` // online or offline
 	SharePercent     *float64 `json:"share_percent"`
@@ -148,7 +149,7 @@ func newTopFrame(prev, cur nodeSample) topFrame {
 				MemoryQuotaMiB: in.MemoryMiB, Processes: in.Processes, kind: in.Kind, pid: in.PID,
 			}
 			if in.Pod != nil {
-				ti.Namespace, ti.Pod, ti.Container = in.Pod.Namespace, in.Pod.Name, in.Pod.Container
+				ti.Namespace, ti.Pod, ti.Container, ti.Claim = in.Pod.Namespace, in.Pod.Name, in.Pod.Container, in.Pod.Claim
 			}
 			if st, ok := stats[in.Name]; ok {
 				ti.MemoryUsedMiB = ceilMiB(st.MemoryUsedBytes)
@@ -194,10 +195,13 @@ func shareBar(p *float64) string {
 	return "[" + strings.Repeat("#", n) + strings.Repeat(".", topBarWidth-n) + "]"
 }
 
-// who names an instance's workload: the pod's container, or the container
-// id's short form, or the root process of a process tree.
+// who names an instance's workload: the pod's container (and its DRA
+// claim), or the container id's short form, or the root process of a
+// process tree.
 func (in topInstance) who() string {
 	switch {
+	case in.Pod != "" && in.Claim != "":
+		return in.Namespace + "/" + in.Pod + "/" + in.Container + " claim " + in.Claim
 	case in.Pod != "":
 		return in.Namespace + "/" + in.Pod + "/" + in.Container
 	case in.kind == api.KindProcessTree:

@@ -88,7 +88,7 @@ func TestTopJSONFields(t *testing.T) {
 		{"device", devs[0], "busy_percent index instances memory_allocated_mib memory_mib policy running"},
 		{"device not running", devs[1], "busy_percent error index instances memory_allocated_mib memory_mib policy running"},
 		{"instance", devs[0].(map[string]any)["instances"].([]any)[0],
-			"class container container_id core memory_quota_mib memory_used_mib name namespace pod processes share_percent throttled_percent"},
+			"claim class container container_id core memory_quota_mib memory_used_mib name namespace pod processes share_percent throttled_percent"},
 	} {
 		if got := keys(tc.obj); got != tc.want {
 			t.Errorf("%s: keys %q, want %q", tc.name, got, tc.want)
@@ -213,6 +213,7 @@ func TestTopFormatting(t *testing.T) {
 		want string
 	}{
 		{topInstance{Namespace: "ns", Pod: "p", Container: "c", ContainerID: "0123456789abcdef"}, "ns/p/c"},
+		{topInstance{Namespace: "ns", Pod: "p", Container: "c", Claim: "p-gpu-x7k2q"}, "ns/p/c claim p-gpu-x7k2q"},
 		{topInstance{ContainerID: "0123456789abcdef"}, "0123456789ab"},
 		{topInstance{ContainerID: "short"}, "short"},
 		{topInstance{kind: api.KindProcessTree, pid: 42}, "pid 42"},

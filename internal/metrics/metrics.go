@@ -9,6 +9,7 @@ package metrics
 
 import (
 	"context"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -82,7 +83,7 @@ var (
 	devMemFree   = newDesc("mgpu_device_memory_free_bytes", prometheus.GaugeValue, "bytes", "Device memory not allocated to instances' quotas.", deviceLabels)
 	devInstances = newDesc("mgpu_device_instances", prometheus.GaugeValue, "", "Instances admitted on the device.", deviceLabels)
 
-	instInfo      = newDesc("mgpu_instance_info", prometheus.GaugeValue, "", "Always 1: the instance's compute policy, kind and priority class (online, offline) as labels.", instanceLabels, "policy", "kind", "class")
+	instInfo      = newDesc("mgpu_instance_info", prometheus.GaugeValue, "", "Always 1: the instance's compute policy, kind, priority class (online, offline) and DRA ResourceClaim (\"\" when none) as labels.", instanceLabels, "policy", "kind", "class", "claim")
 	instMemQuota  = newDesc("mgpu_instance_memory_quota_bytes", prometheus.GaugeValue, "bytes", "The instance's device-memory quota.", instanceLabels)
 	instMemUsed   = newDesc("mgpu_instance_memory_used_bytes", prometheus.GaugeValue, "bytes", "Device memory the instance's processes hold (what the shims reserved).", instanceLabels)
 	instQuota     = newDesc("mgpu_instance_compute_quota_ratio", prometheus.GaugeValue, "ratio", "The instance's compute quota (core / 100; under native-burst-share its weight / 100).", instanceLabels)
@@ -126,7 +127,7 @@ func Metrics() []Metric {
 		case "mgpu_device_info":
 			m.Labels = append(append([]string{}, deviceLabels...), "name", "policy")
 		case "mgpu_instance_info":
-			m.Labels = append(append([]string{}, instanceLabels...), "policy", "kind", "class")
+			m.Labels = append(append([]string{}, instanceLabels...), "policy", "kind", "class", "claim")
 		}
 		out = append(out, m)
 	}
@@ -210,10 +211,12 @@ func (c *Collector) emit(ch chan<- prometheus.Metric, t Target, sn snapshot) {
 			continue // released between the two requests
 		}
 		il := []string{strconv.Itoa(t.Index), in.Name, in.ContainerID, "", "", ""}
+		claim := ""
 		if in.Pod != nil {
 			il[3], il[4], il[5] = in.Pod.Namespace, in.Pod.Name, in.Pod.Container
+			claim = in.Pod.Claim
 		}
-		gauge(instInfo, 1, append(il, in.Policy, string(in.Kind), classLabel(in.Class))...)
+		gauge(instInfo, 1, append(slices.Clone(il), in.Policy, string(in.Kind), classLabel(in.Class), claim)...)
 		gauge(instMemQuota, float64(in.MemoryMiB<<20), il...)
 		gauge(instMemUsed, float64(s.MemoryUsedBytes), il...)
 		gauge(instQuota, float64(in.Core)/100, il...)

@@ -50,6 +50,9 @@ type GPU struct {
 	// MemoryMiB is the memory quota on this GPU; 0 means the whole card
 	// (a whole-GPU request without mgpu-memory).
 	MemoryMiB uint64 `json:"memory_mib"`
+	// Claim is the ResourceClaim whose share this is (node mode dra);
+	// "" for the device plugins' allocations.
+	Claim string `json:"claim,omitempty"`
 }
 
 // Assignment is what a container may have: its pod's requests and the

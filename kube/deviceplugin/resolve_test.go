@@ -117,7 +117,11 @@ func TestResolve(t *testing.T) {
 		if err != nil {
 			got = err.Error()
 		} else {
-			got = fmt.Sprint(a.Policy, " ", a.GPUs)
+			gpus := make([]string, len(a.GPUs))
+			for i, g := range a.GPUs {
+				gpus[i] = fmt.Sprintf("{%d %d %d}", g.Index, g.Core, g.MemoryMiB)
+			}
+			got = a.Policy + " [" + strings.Join(gpus, " ") + "]"
 			if a.Container != tc.q {
 				t.Errorf("%s: answered for %+v", tc.q.Pod, a.Container)
 			}

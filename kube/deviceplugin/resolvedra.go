@@ -51,7 +51,7 @@ func (r *Resolver) resolveDRA(c agentapi.Container, pod *corev1.Pod, spec *corev
 			if slices.ContainsFunc(gpus, func(g agentapi.GPU) bool { return g.Index == s.GPU }) {
 				return agentapi.Assignment{}, refuse(c, "its claims hold two shares of GPU %d; a container has one share of each GPU", s.GPU)
 			}
-			gpus = append(gpus, agentapi.GPU{Index: s.GPU, Core: s.Core, MemoryMiB: s.MemoryMiB})
+			gpus = append(gpus, agentapi.GPU{Index: s.GPU, Core: s.Core, MemoryMiB: s.MemoryMiB, Claim: name})
 		}
 	}
 	if len(gpus) == 0 {

@@ -82,9 +82,9 @@ func TestResolveDRA(t *testing.T) {
 		want []agentapi.GPU
 		err  string
 	}{
-		{pod: "tmpl", want: []agentapi.GPU{{Index: 1, Core: 30, MemoryMiB: 4096}}},
-		{pod: "named", want: []agentapi.GPU{{Index: 0, Core: 70, MemoryMiB: 4096}}},
-		{pod: "whole", want: []agentapi.GPU{{Index: 0, Core: 100, MemoryMiB: 81920}, {Index: 1, Core: 100, MemoryMiB: 81920}}},
+		{pod: "tmpl", want: []agentapi.GPU{{Index: 1, Core: 30, MemoryMiB: 4096, Claim: "tmpl-g-x"}}},
+		{pod: "named", want: []agentapi.GPU{{Index: 0, Core: 70, MemoryMiB: 4096, Claim: "c-named"}}},
+		{pod: "whole", want: []agentapi.GPU{{Index: 0, Core: 100, MemoryMiB: 81920, Claim: "c-whole"}, {Index: 1, Core: 100, MemoryMiB: 81920, Claim: "c-whole"}}},
 		{pod: "notmade", err: "is not made yet"},
 		{pod: "shared", err: "reserved for 2 pods"},
 		{pod: "other", err: "no ResourceClaim of driver gpu.mgpu.io prepared"},

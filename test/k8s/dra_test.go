@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -162,8 +163,12 @@ func testDRA(t *testing.T, m *mgpuNode) {
 		t.Fatalf("the 70 is %+v, the 30 on GPU %d: the scheduler puts both on the first GPU that fits", in70, in30.Device)
 	}
 	prepared := checkpointClaims(t)
+	m.checkDRAInspect(t, []*corev1.Pod{p30, p70}, []int{30, 70})
 	for _, p := range []*corev1.Pod{p30, p70} {
 		name := m.claimOf(t, p)
+		if in := m.instanceOf(t, p); in.Pod == nil || in.Pod.Claim != name {
+			t.Errorf("instance of pod %s: pod ref %+v, want claim %s (top, metrics)", p.Name, in.Pod, name)
+		}
 		i := slices.IndexFunc(prepared, func(c dra.Claim) bool { return c.Name == name })
 		if i < 0 || !prepared[i].ReservedFor(string(p.UID)) || len(prepared[i].Shares) != 1 || prepared[i].Shares[0].ShareID == "" {
 			t.Errorf("claim %s of pod %s is not prepared for it with a shareID: %+v", name, p.Name, prepared)
@@ -403,4 +408,45 @@ func testDRATenPods(t *testing.T, m *mgpuNode) {
 	if running == 0 || running == len(pods) {
 		t.Errorf("%d of %d pods run; the requests fit some but not all", running, len(pods))
 	}
+}
+
+// inspectShare is a DRA claim's share in `inspect --cluster --output json`.
+type inspectShare struct {
+	GPU       int      `json:"gpu"`
+	Claim     string   `json:"claim"`
+	Pods      []string `json:"pods"`
+	Core      int      `json:"core"`
+	MemoryMiB uint64   `json:"memory_mib"`
+}
+
+// checkDRAInspect: `mgpu-cli inspect --cluster` lists the pods' claims on
+// the node, each with its pod, cores and 4096 MiB.
+func (m *mgpuNode) checkDRAInspect(t *testing.T, pods []*corev1.Pod, cores []int) {
+	t.Helper()
+	out, err := exec.Command(m.n.CLI, "inspect", "--cluster", "--kubeconfig", m.AdminKubeconfig, "--output", "json").Output() //nolint:gosec // the build's CLI
+	if err != nil {
+		t.Fatalf("inspect --cluster: %v", err)
+	}
+	var r struct {
+		Nodes []struct {
+			Node string         `json:"node"`
+			DRA  []inspectShare `json:"dra_claims"`
+		} `json:"nodes"`
+	}
+	if err := json.Unmarshal(out, &r); err != nil || len(r.Nodes) != 1 {
+		t.Fatalf("inspect --cluster: %v\n%s", err, out)
+	}
+	for i, p := range pods {
+		name := m.claimOf(t, p)
+		k := slices.IndexFunc(r.Nodes[0].DRA, func(s inspectShare) bool { return s.Claim == name })
+		if k < 0 {
+			t.Errorf("inspect --cluster does not show claim %s:\n%s", name, out)
+			continue
+		}
+		if s := r.Nodes[0].DRA[k]; s.Core != cores[i] || s.MemoryMiB != 4096 || !slices.Equal(s.Pods, []string{p.Name}) {
+			t.Errorf("inspect --cluster shows claim %s as %+v", name, s)
+		}
+	}
+	table, _ := exec.Command(m.n.CLI, "inspect", "--cluster", "--kubeconfig", m.AdminKubeconfig).Output() //nolint:gosec // the build's CLI
+	t.Logf("inspect --cluster:\n%s", table)
 }
