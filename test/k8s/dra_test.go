@@ -134,6 +134,7 @@ func (m *mgpuNode) claimOf(t *testing.T, pod *corev1.Pod) string {
 // and instance; the mode goes back once no claim is prepared.
 func testDRA(t *testing.T, m *mgpuNode) {
 	ctx := context.Background()
+	testDevicePluginFit(t, m)
 	m.setMode(t, "dra", false)
 	m.waitNodeResources(t, map[corev1.ResourceName]int64{coreKey: 0, memoryKey: 0})
 	devs := m.waitDRASlice(t, 2)
@@ -449,4 +450,23 @@ func (m *mgpuNode) checkDRAInspect(t *testing.T, pods []*corev1.Pod, cores []int
 	}
 	table, _ := exec.Command(m.n.CLI, "inspect", "--cluster", "--kubeconfig", m.AdminKubeconfig).Output() //nolint:gosec // the build's CLI
 	t.Logf("inspect --cluster:\n%s", table)
+}
+
+// testDevicePluginFit is the device plugins' side of testDRAFit, on the
+// same node in mode mgpu: with 50 GiB taken on each GPU, a pod of 40 GiB
+// passes the scheduler (the node has 60 GiB left in total) and fails on
+// the node, where no GPU has 40 GiB.
+func testDevicePluginFit(t *testing.T, m *mgpuNode) {
+	a := m.running(t, m.deploy(t, seedDeployment("dp-50a", "guaranteed-burst-share", 10, 50*1024, "echo up; "+idle)).Name, "up")
+	b := m.running(t, m.deploy(t, seedDeployment("dp-50b", "guaranteed-burst-share", 10, 50*1024, "echo up; "+idle)).Name, "up")
+	if ga, gb := m.instanceOf(t, a).Device, m.instanceOf(t, b).Device; ga == gb {
+		t.Fatalf("two pods of 50 GiB on one 80 GiB GPU (%d)", ga)
+	}
+	p := m.deploy(t, seedDeployment("dp-40", "guaranteed-burst-share", 10, 40*1024, "echo up; "+idle))
+	bound := m.waitBound(t, "app=dp-40", 60*time.Second)
+	ev := m.waitEvent(t, p.Name, "Failed", "MiB memory free", 60*time.Second)
+	t.Logf("device plugins: the 40 GiB pod passed the scheduler (bound to %s) and failed on the node: %s", bound.Spec.NodeName, ev.Message)
+	for _, name := range []string{"dp-40", "dp-50a", "dp-50b"} {
+		m.deleteDeployment(t, name)
+	}
 }
