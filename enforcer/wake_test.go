@@ -98,7 +98,11 @@ func TestWakeSocket(t *testing.T) {
 	e.mu.Unlock()
 	for _, d := range []time.Duration{rawWaitMax - time.Microsecond, 10 * time.Second} {
 		send() // before the wait
-		if woken, took := wait(d); !woken || took > min(d, 5*time.Second) {
+		// woken is the datagram's doing (a wait that runs out returns
+		// false); how soon is checked on the long wait only: a bound of
+		// 1 ms measures the host's scheduling under load (go test -race of
+		// every package at once: 1.75 ms once).
+		if woken, took := wait(d); !woken || (d > time.Second && took > 5*time.Second) {
 			t.Fatalf("asked to, a datagram sent: woken %v after %v of %v", woken, took, d)
 		}
 		drain()

@@ -200,9 +200,10 @@ func testDRA(t *testing.T, m *mgpuNode) {
 		}
 		return nil
 	})
-	t.Logf("pod %s deleted: claim %s unprepared and deleted after %v", p70.Name, claim70, time.Since(start).Round(time.Millisecond))
-	if err != nil {
-		t.Error(err)
+	took := time.Since(start)
+	t.Logf("pod %s deleted: claim %s unprepared and deleted after %v", p70.Name, claim70, took.Round(time.Millisecond))
+	if err != nil || took > 2*time.Second {
+		t.Errorf("claim %s of deleted pod %s released after %v (%v), want within 2s", claim70, p70.Name, took, err)
 	}
 	m.deleteDeployment(t, "dra70")
 	m.deleteDeployment(t, "dra30")
