@@ -35,8 +35,12 @@ const TemplatePrefix = "mgpu-"
 // managedBy labels the templates the webhook makes.
 const managedBy = "mgpu-webhook"
 
-// maxACKGiB bounds aliyun.com/gpu-mem (as the agent does).
-const maxACKGiB = 16384
+// maxACKGiB bounds aliyun.com/gpu-mem, and maxMemoryMiB a request's MiB
+// (as the agent and the hook do: 16 TiB).
+const (
+	maxACKGiB    = 16384
+	maxMemoryMiB = 1 << 24
+)
 
 // shape is one container's request as a claim: cores and memory of one
 // GPU, or count whole GPUs (memory per GPU, 0: all of it). burst: any
@@ -145,6 +149,8 @@ func containerShape(c *corev1.Container) (s shape, names []corev1.ResourceName, 
 	case (hasCore || hasMem) && (hasACKCore || hasACKMem):
 		return s, nil, false, fmt.Errorf("it asks for both %s and %s; use one vendor's keys", ResourceCore, ResourceACKMemory)
 	case hasCore:
+	case hasMem:
+		return s, nil, false, fmt.Errorf("%s needs %s", ResourceMemory, ResourceCore)
 	case hasACKCore:
 		if !hasACKMem {
 			return s, nil, false, fmt.Errorf("%s needs %s", ResourceACKCore, ResourceACKMemory)
@@ -162,6 +168,9 @@ func containerShape(c *corev1.Container) (s shape, names []corev1.ResourceName, 
 	if ackMem > maxACKGiB {
 		return s, nil, false, fmt.Errorf("%s %d is over %d GiB", ResourceACKMemory, ackMem, maxACKGiB)
 	}
+	if uint64(mem) > maxMemoryMiB {
+		return s, nil, false, fmt.Errorf("%d MiB is over %d MiB", mem, maxMemoryMiB)
+	}
 	switch {
 	case core < 100:
 		if !hasMem {
@@ -172,6 +181,9 @@ func containerShape(c *corev1.Container) (s shape, names []corev1.ResourceName, 
 		return s, nil, false, fmt.Errorf("%d%% is not 1 to 100 or a multiple of 100", core)
 	}
 	n := core / 100
+	if n > resourcev1.AllocationResultsMaxSize {
+		return s, nil, false, fmt.Errorf("%d whole GPUs is over the %d devices a claim may hold", n, resourcev1.AllocationResultsMaxSize)
+	}
 	s = shape{count: int(n)}
 	if hasMem {
 		if uint64(mem) < uint64(n) {

@@ -9,7 +9,9 @@ import (
 
 	jsonpatch "gopkg.in/evanphx/json-patch.v4"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/mgpu-dev/mgpu/internal/policy"
@@ -143,4 +145,73 @@ func TestTranslate(t *testing.T) {
 			t.Errorf("%v: %v, want %q", tc.res.Limits, err, tc.want)
 		}
 	}
+}
+
+// FuzzContainerShape: whatever quantities a container's limits and
+// requests hold (the tenant's to write), containerShape either refuses
+// with one line or returns a shape the driver can serve (a share of 1..99
+// cores with memory, whole GPUs, or ACK's memory alone), whose template
+// name is a valid object name and whose template validates as the API
+// server would need (a request of the class, capacity only with a share).
+func FuzzContainerShape(f *testing.F) {
+	for _, s := range [][4]string{{"30", "4096", "", ""}, {"200", "", "", ""}, {"300", "9000", "", ""}, {"", "", "30", "6"},
+		{"", "", "", "4"}, {"0", "1", "", ""}, {"150", "1", "", ""}, {"1e3", "1k", "", ""}, {"", "", "101", "1"}, {"-1", "", "", "20000"}} {
+		f.Add(s[0], s[1], s[2], s[3])
+	}
+	f.Fuzz(func(t *testing.T, core, mem, ackCore, ackMem string) {
+		lim := corev1.ResourceList{}
+		for n, v := range map[corev1.ResourceName]string{ResourceCore: core, ResourceMemory: mem, ResourceACKCore: ackCore, ResourceACKMemory: ackMem} {
+			if v == "" {
+				continue
+			}
+			q, err := resource.ParseQuantity(v)
+			if err != nil {
+				return
+			}
+			lim[n] = q
+		}
+		c := &corev1.Container{Name: "c", Resources: corev1.ResourceRequirements{Limits: lim}}
+		s, names, ok, err := containerShape(c)
+		switch {
+		case err != nil:
+			if ok || strings.Contains(err.Error(), "\n") {
+				t.Fatalf("refused with ok %v: %q", ok, err)
+			}
+			return
+		case !ok:
+			if len(lim) != 0 {
+				t.Fatalf("%v: not a request, with no error", lim)
+			}
+			return
+		}
+		if len(names) == 0 || len(names) != len(lim) {
+			t.Fatalf("%v: replaces %v", lim, names)
+		}
+		switch {
+		case s.count > 0:
+			if s.cores != 0 || s.burst {
+				t.Fatalf("whole GPUs %+v", s)
+			}
+		case s.burst:
+			if s.cores != 1 || s.mib < 1024 || s.mib > maxACKGiB*1024 {
+				t.Fatalf("memory alone %+v", s)
+			}
+		default:
+			if s.cores < 1 || s.cores > 99 || s.mib < 1 {
+				t.Fatalf("share %+v", s)
+			}
+		}
+		tmpl := s.template("ns", policy.GuaranteedBurstShare)
+		if errs := validation.IsDNS1123Subdomain(tmpl.Name); len(errs) > 0 {
+			t.Fatalf("template name %q: %v", tmpl.Name, errs)
+		}
+		r := tmpl.Spec.Spec.Devices.Requests[0].Exactly
+		hasCores := false
+		if r.Capacity != nil {
+			_, hasCores = r.Capacity.Requests[dra.CapCores]
+		}
+		if r.DeviceClassName != dra.DeviceClassName || r.Count < 1 || (s.count == 0) != hasCores {
+			t.Fatalf("template %+v for %+v", r, s)
+		}
+	})
 }

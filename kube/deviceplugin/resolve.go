@@ -185,7 +185,9 @@ type Resolver struct {
 
 // ClaimSource is what the DRA driver prepared (*dra.Driver).
 type ClaimSource interface {
-	Claim(namespace, name string) (dra.Claim, bool)
+	// Claim is the prepared claim namespace/name, preferably the one
+	// reserved for the pod of UID pod.
+	Claim(namespace, name, pod string) (dra.Claim, bool)
 }
 
 // SetClaims tells the resolver the DRA driver's claims, which answer

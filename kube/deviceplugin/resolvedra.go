@@ -31,7 +31,7 @@ func (r *Resolver) resolveDRA(c agentapi.Container, pod *corev1.Pod, spec *corev
 		if name == "" {
 			continue // the pod needs no claim of this entry
 		}
-		cl, ok := r.claims.Claim(pod.Namespace, name)
+		cl, ok := r.claims.Claim(pod.Namespace, name, c.UID)
 		if !ok {
 			continue // another driver's claim
 		}

@@ -16,7 +16,7 @@ import (
 // fakeClaims are prepared DRA claims.
 type fakeClaims []dra.Claim
 
-func (f fakeClaims) Claim(ns, name string) (dra.Claim, bool) {
+func (f fakeClaims) Claim(ns, name, _ string) (dra.Claim, bool) {
 	for _, c := range f {
 		if c.Namespace == ns && c.Name == name {
 			return c, true

@@ -277,16 +277,25 @@ func (d *Driver) Claims() []Claim {
 	return out
 }
 
-// Claim returns the prepared claim namespace/name.
-func (d *Driver) Claim(namespace, name string) (Claim, bool) {
+// Claim returns the prepared claim namespace/name: the one reserved for
+// the pod of UID pod when there are two (a claim deleted and made again
+// under its name before the kubelet unprepared the first).
+func (d *Driver) Claim(namespace, name, pod string) (Claim, bool) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	for _, c := range d.claims {
-		if c.Namespace == namespace && c.Name == name {
+	var found Claim
+	ok := false
+	for _, uid := range sortedKeys(d.claims) {
+		c := d.claims[uid]
+		if c.Namespace != namespace || c.Name != name {
+			continue
+		}
+		if c.ReservedFor(pod) {
 			return c, true
 		}
+		found, ok = c, true
 	}
-	return Claim{}, false
+	return found, ok
 }
 
 // PrepareResourceClaims implements kubeletplugin.DRAPlugin: each claim's

@@ -118,7 +118,7 @@ func TestPrepareReservesAndAnswersTheSame(t *testing.T) {
 	if dev.DeviceName != "gpu-0" || dev.PoolName != "n1" || len(dev.CDIDeviceIDs) != 1 || dev.CDIDeviceIDs[0] != "mgpu.io/gpu=0" || dev.ShareID == nil || *dev.ShareID != "u1-share0" {
 		t.Fatalf("device %+v", dev)
 	}
-	c, ok := d.Claim("ns", "c1")
+	c, ok := d.Claim("ns", "c1", "pod1")
 	if !ok || len(c.Shares) != 1 || c.Shares[0].Core != 30 || c.Shares[0].MemoryMiB != 4096 || !c.ReservedFor("pod1") {
 		t.Fatalf("claim %+v", c)
 	}
@@ -129,7 +129,7 @@ func TestPrepareReservesAndAnswersTheSame(t *testing.T) {
 	}
 	// The agent restarted: the checkpoint restores it, and it still counts.
 	d2 := testDriver(t, dir)
-	if c2, ok := d2.Claim("ns", "c1"); !ok || c2.Shares[0] != c.Shares[0] {
+	if c2, ok := d2.Claim("ns", "c1", "pod1"); !ok || c2.Shares[0] != c.Shares[0] {
 		t.Fatalf("restored %+v %v", c2, ok)
 	}
 	over := prepare(t, d2, claim("u2", "c2", []string{"pod2"}, [3]string{"gpu-0", "71", "4Gi"}))["u2"]
@@ -147,7 +147,7 @@ func TestPrepareReservesAndAnswersTheSame(t *testing.T) {
 			t.Fatal(err, res)
 		}
 	}
-	if _, ok := d2.Claim("ns", "c1"); ok || d2.Prepared() != 1 {
+	if _, ok := d2.Claim("ns", "c1", "pod1"); ok || d2.Prepared() != 1 {
 		t.Fatalf("c1 still prepared (%d)", d2.Prepared())
 	}
 	if d3 := testDriver(t, dir); d3.Prepared() != 1 {
@@ -216,5 +216,21 @@ func TestCheckpointDamagedIsAnError(t *testing.T) {
 	_, err := New(Config{Node: "n1", CDIKind: "mgpu.io/gpu", DataDir: dir, Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err == nil || !strings.Contains(err.Error(), "does not parse") {
 		t.Fatalf("err %v", err)
+	}
+}
+
+// A claim made again under the name of one not yet unprepared: the
+// lookup finds the one reserved for the asking pod.
+func TestClaimOfTheSameNameTwice(t *testing.T) {
+	d := testDriver(t, t.TempDir())
+	prepare(t, d, claim("old", "c", []string{"pod-old"}, [3]string{"gpu-0", "10", "1Gi"}),
+		claim("new", "c", []string{"pod-new"}, [3]string{"gpu-1", "20", "1Gi"}))
+	for _, tc := range []struct{ pod, uid string }{{"pod-old", "old"}, {"pod-new", "new"}} {
+		if c, ok := d.Claim("ns", "c", tc.pod); !ok || c.UID != tc.uid {
+			t.Errorf("claim ns/c for %s: %+v %v, want UID %s", tc.pod, c, ok, tc.uid)
+		}
+	}
+	if _, ok := d.Claim("ns", "c", "stranger"); !ok {
+		t.Error("a claim of the name exists: the lookup finds one, for the resolver's refusal")
 	}
 }
