@@ -298,21 +298,10 @@ func TestNodeModes(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}})
-	var plugins []*Plugin
-	var mem *Plugin
-	for _, s := range PluginSchemes() {
-		opts := []Option{WithScheme(s), WithLogger(testLogger())}
-		if s.Core == ACKMemory.Core {
-			opts = append(opts, WithMemory(map[int]uint64{0: 81920, 1: 81920}))
-		}
-		p, err := New([]int{0, 1}, newFakeCards(0, 1), append(opts, WithMode(SchemeMGPU))...)
-		if err != nil {
-			t.Fatal(err)
-		}
-		plugins = append(plugins, p)
-		if s.Core == ACKMemory.Core {
-			mem = p
-		}
+	plugins := nodePlugins(t)
+	mem := plugins[len(plugins)-1] // PluginSchemes ends with the memory plugin's
+	if mem.Scheme().Core != ACKMemory.Core {
+		t.Fatalf("the last plugin serves %s", mem.Scheme().Core)
 	}
 	r := NewResolver("n1", []int{0, 1}, &fakePods{}, &fakeAllocs{})
 	allocs := &fakeAllocs{}
@@ -322,9 +311,11 @@ func TestNodeModes(t *testing.T) {
 		}
 		return nil
 	}
-	n := NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs).WithModeCheck(noMPS)
+	pool := &fakePool{}
+	n := NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs).WithModeCheck(noMPS).WithDRA(pool)
 
-	// check publishes and checks the mode, the plugins that list devices
+	// check publishes and checks the mode, the DRA pool (listed in mode
+	// dra only), the plugins that list devices
 	// (the resources the kubelet sets: memDevs of aliyun.com/gpu-mem) and
 	// the capacity the agent sets, mgpu-memory (aliyun.com/gpu-mem is the
 	// memory plugin's, never patched).
@@ -339,6 +330,9 @@ func TestNodeModes(t *testing.T) {
 		}
 		if n.Current().Mode != mode || r.Scheme().Mode != mode {
 			t.Fatalf("%s: mode %s, resolver %s, want %s", when, n.Current().Mode, r.Scheme().Mode, mode)
+		}
+		if pool.active != (mode == "dra") {
+			t.Fatalf("%s: DRA pool active=%v in mode %s", when, pool.active, mode)
 		}
 		for _, p := range plugins {
 			if want := slices.Contains(n.Current().Resources(), p.Scheme().Core); p.Active() != want {
@@ -406,13 +400,28 @@ func TestNodeModes(t *testing.T) {
 	setLabel("")
 	check("back to mgpu", "mgpu", "163840", 0)
 
+	// dra: no device plugin lists anything and mgpu-memory is 0; into it
+	// once no container holds IDs, out of it once no claim is prepared.
+	allocs.allocs = []Allocation{{Namespace: "ns", Pod: "a", Container: "main", Resource: ResourceName, IDs: ids(0, 0, 30)}}
+	setLabel("dra")
+	check("dra while an mgpu pod runs", "mgpu", "163840", 0)
+	allocs.allocs = nil
+	check("dra, node empty", "dra", "0", 0)
+	pool.prepared = 2
+	setLabel("mgpu")
+	check("mgpu while two claims are prepared", "dra", "0", 0)
+	setLabel("")
+	check("label removed while claims are prepared", "dra", "0", 0)
+	pool.prepared = 0
+	check("claims released", "mgpu", "163840", 0)
+
 	// An agent that starts on a node whose containers hold core_mem IDs
 	// serves core_mem whatever the label says; one whose containers hold
 	// memory IDs alone serves the label's mode of memory alone, else cgpu.
 	restart := func(label string, held []Allocation) {
 		setLabel(label)
 		allocs.allocs = held
-		n = NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs)
+		n = NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs).WithDRA(pool)
 	}
 	coreMem := []Allocation{
 		{Namespace: "ns", Pod: "a", Container: "main", Resource: SchemeCoreMem.Core, IDs: ids(0, 0, 30)},
@@ -427,6 +436,10 @@ func TestNodeModes(t *testing.T) {
 	check("restart with a memory pod, labelled share", "share", "0", 160)
 	restart("mgpu", memOnly)
 	check("restart with a memory pod, labelled mgpu", "cgpu", "0", 160)
+	// One that starts with prepared claims (its checkpoint) serves dra.
+	pool.prepared = 1
+	restart("", nil)
+	check("restart with a prepared claim, no label", "dra", "0", 0)
 }
 
 // The node's allocation annotation is written when the enforcers' view
@@ -531,22 +544,10 @@ func TestInactivePluginDoesNotPoll(t *testing.T) {
 	}
 }
 
-// fakePool is a DRA driver of a fixed number of prepared claims.
-type fakePool struct {
-	prepared int
-	active   bool
-}
-
-func (f *fakePool) Prepared() int    { return f.prepared }
-func (f *fakePool) SetActive(a bool) { f.active = a }
-
-// Mode dra: the device plugins list nothing and mgpu-memory is 0, the DRA
-// pool lists the GPUs; a change from dra waits for the prepared claims,
-// and one into dra for the containers of the device plugins.
-func TestNodeModeDRA(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}})
+// nodePlugins are the node agent's plugins, one per PluginSchemes, of two
+// 80 GiB GPUs, in mode mgpu.
+func nodePlugins(t *testing.T) []*Plugin {
+	t.Helper()
 	var plugins []*Plugin
 	for _, s := range PluginSchemes() {
 		opts := []Option{WithScheme(s), WithLogger(testLogger())}
@@ -559,64 +560,14 @@ func TestNodeModeDRA(t *testing.T) {
 		}
 		plugins = append(plugins, p)
 	}
-	r := NewResolver("n1", []int{0, 1}, &fakePods{}, &fakeAllocs{})
-	allocs := &fakeAllocs{}
-	pool := &fakePool{}
-	n := NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs).WithDRA(pool)
-	setLabel := func(v string) {
-		t.Helper()
-		node, err := client.CoreV1().Nodes().Get(ctx, "n1", metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		node.Labels = map[string]string{ModeLabel: v}
-		if v == "" {
-			node.Labels = nil
-		}
-		if _, err := client.CoreV1().Nodes().Update(ctx, node, metav1.UpdateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	check := func(when, mode, mgpuMem string) {
-		t.Helper()
-		if err := n.Publish(ctx); err != nil {
-			t.Fatalf("%s: %v", when, err)
-		}
-		node, err := client.CoreV1().Nodes().Get(ctx, "n1", metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if n.Current().Mode != mode || r.Scheme().Mode != mode {
-			t.Fatalf("%s: mode %s, resolver %s, want %s", when, n.Current().Mode, r.Scheme().Mode, mode)
-		}
-		if pool.active != (mode == "dra") {
-			t.Fatalf("%s: DRA pool active=%v in mode %s", when, pool.active, mode)
-		}
-		for _, p := range plugins {
-			if devs, _ := p.devices(); (len(devs) > 0) != (mode == "mgpu" && p.Scheme().Core == ResourceName) {
-				t.Fatalf("%s: plugin of %s lists %d devices in mode %s", when, p.Scheme().Core, len(devs), mode)
-			}
-		}
-		if q := node.Status.Capacity[MemoryResourceName]; q.String() != mgpuMem {
-			t.Fatalf("%s: capacity %s = %s, want %s", when, MemoryResourceName, q.String(), mgpuMem)
-		}
-	}
-	setLabel("mgpu")
-	check("mgpu", "mgpu", "163840")
-	allocs.allocs = []Allocation{{Namespace: "ns", Pod: "a", Container: "main", Resource: ResourceName, IDs: ids(0, 0, 30)}}
-	setLabel("dra")
-	check("dra while an mgpu pod runs", "mgpu", "163840")
-	allocs.allocs = nil
-	check("dra, node empty", "dra", "0")
-	pool.prepared = 2
-	setLabel("mgpu")
-	check("mgpu while two claims are prepared", "dra", "0")
-	setLabel("")
-	check("label removed while claims are prepared", "dra", "0")
-	// An agent that starts with prepared claims (its checkpoint) keeps dra.
-	n = NewNodePublisher(client, "n1", nil, []uint64{81920, 81920}, plugins, placement.Binpack, testLogger()).WithModes(SchemeMGPU, r, allocs).WithDRA(pool)
-	pool.active = false
-	check("restart with prepared claims, no label", "dra", "0")
-	pool.prepared = 0
-	check("claims released", "mgpu", "163840")
+	return plugins
 }
+
+// fakePool is a DRA driver of a fixed number of prepared claims.
+type fakePool struct {
+	prepared int
+	active   bool
+}
+
+func (f *fakePool) Prepared() int    { return f.prepared }
+func (f *fakePool) SetActive(a bool) { f.active = a }

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -175,17 +174,7 @@ func testDRA(t *testing.T, m *mgpuNode) {
 			t.Errorf("claim %s of pod %s is not prepared for it with a shareID: %+v", name, p.Name, prepared)
 		}
 	}
-	s := m.shares(t, []*corev1.Pod{p30, p70}, 2*time.Second, 5*time.Second)
-	t.Logf("DRA 30 / 70 both busy: %.2f / %.2f", s[0], s[1])
-	if math.Abs(s[0]-30) > epsilon || math.Abs(s[1]-70) > epsilon {
-		t.Errorf("DRA shares %.2f / %.2f, want 30 / 70 ± %.0f", s[0], s[1], epsilon)
-	}
-	m.running(t, p70.Name, "idle")
-	s = m.shares(t, []*corev1.Pod{p30}, time.Second, 5*time.Second)
-	t.Logf("DRA 30 beside an idle 70: %.2f", s[0])
-	if s[0] < 95 {
-		t.Errorf("the DRA 30 beside an idle 70 got %.2f%%, want >= 95", s[0])
-	}
+	m.check3070(t, "DRA ", p30, p70)
 	testDRARestarts(t, m, p30, p70)
 
 	claim70 := m.claimOf(t, p70)
@@ -335,60 +324,9 @@ func testDRASeed(t *testing.T, m *mgpuNode) {
 
 // testDRATenPods creates ten translated pods of mixed requests at once.
 func testDRATenPods(t *testing.T, m *mgpuNode) {
-	type req struct{ core, mem int }
-	reqs := []req{{50, 40000}, {30, 30000}, {60, 20000}, {20, 50000}, {100, 0}, {10, 10000}, {40, 30000}, {30, 70000}, {90, 1000}, {5, 2000}}
-	ctx := context.Background()
-	defer m.deleteAll(t, "test=dra-ten")
-	for i, r := range reqs {
-		pod := workloadPod(fmt.Sprintf("dra-ten-%d", i), "guaranteed-burst-share", r.core, r.mem, "echo ready; "+idle)
-		pod.Labels = map[string]string{"test": "dra-ten"}
-		if _, err := m.Client.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// Settled: no pod changes phase or readiness for 10 s.
-	var last string
-	var stableSince time.Time
-	var pods []corev1.Pod
-	err := harness.WaitFor(150*time.Second, func() error {
-		l, err := m.Client.CoreV1().Pods("default").List(ctx, metav1.ListOptions{LabelSelector: "test=dra-ten"})
-		if err != nil {
-			return err
-		}
-		var b strings.Builder
-		for _, p := range l.Items {
-			ready := len(p.Status.ContainerStatuses) > 0 && p.Status.ContainerStatuses[0].Ready
-			fmt.Fprintf(&b, "%s=%s/%v ", p.Name, p.Status.Phase, ready)
-		}
-		if b.String() != last {
-			last, stableSince = b.String(), time.Now()
-		}
-		pods = l.Items
-		if time.Since(stableSince) < 10*time.Second {
-			return errors.New("pods still change: " + last)
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("settled: %s", last)
-	insts, err := m.n.Instances()
-	if err != nil {
-		t.Fatal(err)
-	}
-	core := map[int]int{}
-	mib := map[int]uint64{}
-	for _, in := range insts {
-		core[in.Device] += in.Core
-		mib[in.Device] += in.MemoryMiB
-	}
-	for g := range 2 {
-		t.Logf("GPU %d: %d%% of cores, %d MiB", g, core[g], mib[g])
-		if core[g] > 100 || mib[g] > gpuMiB {
-			t.Errorf("GPU %d over-committed: %d%% of cores, %d MiB", g, core[g], mib[g])
-		}
-	}
+	defer m.deleteAll(t, "test=dra-ten") // before the mode goes back to mgpu
+	pods := m.startTen(t, "dra-ten", "echo ready; "+idle)
+	m.committed(t)
 	running := 0
 	for i := range pods {
 		p := &pods[i]

@@ -661,18 +661,26 @@ func testSeed(t *testing.T, m *mgpuNode) {
 	if g30, g70 := m.instanceOf(t, p30).Device, m.instanceOf(t, p70).Device; g30 != g70 {
 		t.Fatalf("the 30 is on GPU %d and the 70 on GPU %d: binpack puts them on one", g30, g70)
 	}
+	m.check3070(t, "", p30, p70)
+	m.testRelease(t, p70)
+}
+
+// check3070: the 30 and the 70 (which idles after 20 s) share their GPU
+// 30 / 70 (± epsilon, measured by the device) while both are busy, and the
+// 30 gets at least 95 % beside the idle 70. what prefixes the log lines.
+func (m *mgpuNode) check3070(t *testing.T, what string, p30, p70 *corev1.Pod) {
+	t.Helper()
 	s := m.shares(t, []*corev1.Pod{p30, p70}, 2*time.Second, 5*time.Second)
-	t.Logf("30 / 70 both busy: %.2f / %.2f", s[0], s[1])
+	t.Logf("%s30 / 70 both busy: %.2f / %.2f", what, s[0], s[1])
 	if math.Abs(s[0]-30) > epsilon || math.Abs(s[1]-70) > epsilon {
-		t.Errorf("shares %.2f / %.2f, want 30 / 70 ± %.0f", s[0], s[1], epsilon)
+		t.Errorf("%sshares %.2f / %.2f, want 30 / 70 ± %.0f", what, s[0], s[1], epsilon)
 	}
 	m.running(t, p70.Name, "idle")
 	s = m.shares(t, []*corev1.Pod{p30}, time.Second, 5*time.Second)
-	t.Logf("30 beside an idle 70: %.2f", s[0])
+	t.Logf("%s30 beside an idle 70: %.2f", what, s[0])
 	if s[0] < 95 {
-		t.Errorf("the 30 beside an idle 70 got %.2f%%, want >= 95", s[0])
+		t.Errorf("%sthe 30 beside an idle 70 got %.2f%%, want >= 95", what, s[0])
 	}
-	m.testRelease(t, p70)
 }
 
 // testRelease deletes a pod and checks that its instance goes within 2 s.
@@ -802,6 +810,74 @@ func (m *mgpuNode) waitEvent(t *testing.T, name, reason, s string, within time.D
 		t.Fatalf("pod %s: %v; events:\n%s\n%s", name, err, strings.Join(seen, "\n"), m.describe(name))
 	}
 	return found
+}
+
+// tenRequests are the mixed requests (core, MiB) of the ten-pod tests.
+var tenRequests = []struct{ core, mem int }{{50, 40000}, {30, 30000}, {60, 20000}, {20, 50000}, {100, 0}, {10, 10000}, {40, 30000}, {30, 70000}, {90, 1000}, {5, 2000}}
+
+// startTen creates a pod of each of tenRequests at once, named
+// <prefix>-<i>, labelled test=<prefix> and running script, and returns
+// them once they settled: no pod changed phase or readiness for 10 s.
+func (m *mgpuNode) startTen(t *testing.T, prefix, script string) []corev1.Pod {
+	t.Helper()
+	ctx := context.Background()
+	t.Cleanup(func() { m.deleteAll(t, "test="+prefix) })
+	for i, r := range tenRequests {
+		pod := workloadPod(fmt.Sprintf("%s-%d", prefix, i), "guaranteed-burst-share", r.core, r.mem, script)
+		pod.Labels = map[string]string{"test": prefix}
+		if _, err := m.Client.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var last string
+	var stableSince time.Time
+	var pods []corev1.Pod
+	err := harness.WaitFor(150*time.Second, func() error {
+		l, err := m.Client.CoreV1().Pods("default").List(ctx, metav1.ListOptions{LabelSelector: "test=" + prefix})
+		if err != nil {
+			return err
+		}
+		var b strings.Builder
+		for _, p := range l.Items {
+			ready := len(p.Status.ContainerStatuses) > 0 && p.Status.ContainerStatuses[0].Ready
+			fmt.Fprintf(&b, "%s=%s/%v ", p.Name, p.Status.Phase, ready)
+		}
+		if b.String() != last {
+			last, stableSince = b.String(), time.Now()
+		}
+		pods = l.Items
+		if time.Since(stableSince) < 10*time.Second {
+			return errors.New("pods still change: " + last)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("settled: %s", last)
+	return pods
+}
+
+// committed is what the instances hold of each GPU (core, MiB); a GPU
+// holding more than it has is an error.
+func (m *mgpuNode) committed(t *testing.T) (core map[int]int, mem map[int]uint64) {
+	t.Helper()
+	insts, err := m.n.Instances()
+	if err != nil {
+		t.Fatal(err)
+	}
+	core, mem = map[int]int{}, map[int]uint64{}
+	for _, in := range insts {
+		core[in.Device] += in.Core
+		mem[in.Device] += in.MemoryMiB
+	}
+	for g := range 2 {
+		t.Logf("GPU %d: core %d, memory %d MiB", g, core[g], mem[g])
+		if core[g] > 100 || mem[g] > gpuMiB {
+			t.Errorf("GPU %d over-committed: core %d, memory %d MiB", g, core[g], mem[g])
+		}
+	}
+	return core, mem
 }
 
 // testInvalid: the webhook denies bad requests at creation, naming the field.
@@ -1011,60 +1087,9 @@ func (m *mgpuNode) waitReleased(t *testing.T, pods []corev1.Pod) {
 // GPUs: each that runs has exactly its own quota, no card is
 // over-committed, and each that does not run says why and fits no card.
 func testTenPods(t *testing.T, m *mgpuNode) {
-	type req struct{ core, mem int }
-	reqs := []req{{50, 40000}, {30, 30000}, {60, 20000}, {20, 50000}, {100, 0}, {10, 10000}, {40, 30000}, {30, 70000}, {90, 1000}, {5, 2000}}
-	ctx := context.Background()
-	defer m.deleteAll(t, "test=ten")
-	for i, r := range reqs {
-		pod := workloadPod(fmt.Sprintf("ten-%d", i), "guaranteed-burst-share", r.core, r.mem, "/bin/mgpu-workload info; echo ready; "+idle)
-		pod.Labels = map[string]string{"test": "ten"}
-		if _, err := m.Client.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// Settled: no pod changes phase or readiness for 10 s.
-	var last string
-	var stableSince time.Time
-	var pods []corev1.Pod
-	err := harness.WaitFor(150*time.Second, func() error {
-		l, err := m.Client.CoreV1().Pods("default").List(ctx, metav1.ListOptions{LabelSelector: "test=ten"})
-		if err != nil {
-			return err
-		}
-		var b strings.Builder
-		for _, p := range l.Items {
-			ready := len(p.Status.ContainerStatuses) > 0 && p.Status.ContainerStatuses[0].Ready
-			fmt.Fprintf(&b, "%s=%s/%v ", p.Name, p.Status.Phase, ready)
-		}
-		if b.String() != last {
-			last, stableSince = b.String(), time.Now()
-		}
-		pods = l.Items
-		if time.Since(stableSince) < 10*time.Second {
-			return errors.New("pods still change: " + last)
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("settled: %s", last)
-	insts, err := m.n.Instances()
-	if err != nil {
-		t.Fatal(err)
-	}
-	core := map[int]int{}
-	mem := map[int]uint64{}
-	for _, in := range insts {
-		core[in.Device] += in.Core
-		mem[in.Device] += in.MemoryMiB
-	}
-	for g := range 2 {
-		t.Logf("GPU %d: core %d, memory %d MiB", g, core[g], mem[g])
-		if core[g] > 100 || mem[g] > gpuMiB {
-			t.Errorf("GPU %d over-committed: core %d, memory %d MiB", g, core[g], mem[g])
-		}
-	}
+	reqs := tenRequests
+	pods := m.startTen(t, "ten", "/bin/mgpu-workload info; echo ready; "+idle)
+	core, mem := m.committed(t)
 	for _, p := range pods {
 		i, _ := strconv.Atoi(strings.TrimPrefix(p.Name, "ten-"))
 		r := reqs[i]
