@@ -14,15 +14,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	resourcev1client "k8s.io/client-go/kubernetes/typed/resource/v1"
 
+	"github.com/mgpu-dev/mgpu/kube/dranames"
 	"github.com/mgpu-dev/mgpu/kube/kubeconfig"
-)
-
-// The DRA driver's names (package kube/dra, which mgpu-cli does not link:
-// it brings the kubelet plugin's gRPC; a test checks they agree).
-const (
-	draDriver    = "gpu.mgpu.io"
-	draCapCores  = "cores"
-	draCapMemory = "memory"
 )
 
 // draClientOf returns the resource.k8s.io/v1 client of the API server that
@@ -100,10 +93,10 @@ func addShares(out map[string][]draShare, c *resourcev1.ResourceClaim) {
 	for _, r := range c.Status.Allocation.Devices.Results {
 		idx, ok := strings.CutPrefix(r.Device, "gpu-")
 		gpu, err := strconv.Atoi(idx)
-		if r.Driver != draDriver || !ok || err != nil || gpu < 0 {
+		if r.Driver != dranames.Driver || !ok || err != nil || gpu < 0 {
 			continue
 		}
-		cores, mem := r.ConsumedCapacity[draCapCores], r.ConsumedCapacity[draCapMemory]
+		cores, mem := r.ConsumedCapacity[dranames.CapCores], r.ConsumedCapacity[dranames.CapMemory]
 		core, okc := cores.AsInt64()
 		b, okm := mem.AsInt64()
 		if !okc || !okm || core < 0 || core > 100 || b < 0 {
@@ -131,7 +124,7 @@ func writeDRATable(w io.Writer, nodes []clusterNode) error {
 		return nil
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintf(tw, "\nDRA claims (%s):\n", draDriver)
+	fmt.Fprintf(tw, "\nDRA claims (%s):\n", dranames.Driver)
 	fmt.Fprintln(tw, "NODE\tGPU\tCLAIM\tPODS\tCORE\tMEMORY(MiB)")
 	for _, r := range rows {
 		fmt.Fprintln(tw, r)

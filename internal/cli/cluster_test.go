@@ -20,7 +20,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/mgpu-dev/mgpu/kube/allocview"
-	"github.com/mgpu-dev/mgpu/kube/dra"
+	"github.com/mgpu-dev/mgpu/kube/dranames"
 )
 
 // gpus15 are four 15 GiB GPUs (the seed's) with alloc GiB allocated each.
@@ -351,7 +351,7 @@ func TestInspectClusterDRA(t *testing.T) {
 		c := &resourcev1.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}}
 		c.Status.Allocation = &resourcev1.AllocationResult{Devices: resourcev1.DeviceAllocationResult{Results: []resourcev1.DeviceRequestAllocationResult{{
 			Request: "gpu", Driver: driver, Pool: pool, Device: device,
-			ConsumedCapacity: map[resourcev1.QualifiedName]resource.Quantity{draCapCores: resource.MustParse(cores), draCapMemory: resource.MustParse(mem)},
+			ConsumedCapacity: map[resourcev1.QualifiedName]resource.Quantity{dranames.CapCores: resource.MustParse(cores), dranames.CapMemory: resource.MustParse(mem)},
 		}}}}
 		for _, p := range pods {
 			c.Status.ReservedFor = append(c.Status.ReservedFor, resourcev1.ResourceClaimConsumerReference{Resource: "pods", Name: p, UID: "u-" + types.UID(p)})
@@ -359,8 +359,8 @@ func TestInspectClusterDRA(t *testing.T) {
 		return c
 	}
 	objs := append(fakeCluster(t),
-		claim("ml", "train-gpu-x7k2q", dra.DriverName, "gpu-node-1", "gpu-0", "30", "4Gi", "train"),
-		claim("ml", "eval-gpu-q2k9z", dra.DriverName, "gpu-node-1", "gpu-0", "70", "8Gi", "eval"),
+		claim("ml", "train-gpu-x7k2q", dranames.Driver, "gpu-node-1", "gpu-0", "30", "4Gi", "train"),
+		claim("ml", "eval-gpu-q2k9z", dranames.Driver, "gpu-node-1", "gpu-0", "70", "8Gi", "eval"),
 		claim("ml", "nic", "nic.example.com", "gpu-node-1", "gpu-0", "1", "1Mi", "train"),
 		&resourcev1.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "ml", Name: "pending"}},
 	)
@@ -397,12 +397,5 @@ func TestInspectClusterDRA(t *testing.T) {
 		} else if len(n.DRA) != 0 {
 			t.Errorf("%s DRA %+v", n.Node, n.DRA)
 		}
-	}
-}
-
-// The CLI's copies of the driver's names are the driver's.
-func TestDRANames(t *testing.T) {
-	if draDriver != dra.DriverName || draCapCores != string(dra.CapCores) || draCapMemory != string(dra.CapMemory) {
-		t.Errorf("%s %s %s, the driver's %s %s %s", draDriver, draCapCores, draCapMemory, dra.DriverName, dra.CapCores, dra.CapMemory)
 	}
 }

@@ -14,7 +14,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/mgpu-dev/mgpu/internal/policy"
-	"github.com/mgpu-dev/mgpu/kube/dra"
+	"github.com/mgpu-dev/mgpu/kube/dranames"
 )
 
 // TranslateLabel is the namespace label that opts a namespace's pods into
@@ -74,23 +74,23 @@ func (s shape) templateName(p policy.Policy) string {
 // is p (any burst policy for a burst shape), with the shape's capacity;
 // whole GPUs distinct by uuid.
 func (s shape) template(ns string, p policy.Policy) *resourcev1.ResourceClaimTemplate {
-	attr := `device.attributes["` + dra.DriverName + `"].` + string(dra.AttrPolicy)
+	attr := `device.attributes["` + dranames.Driver + `"].` + string(dranames.AttrPolicy)
 	sel := attr + ` == "` + p.String() + `"`
 	if s.burst {
 		sel = attr + ` != "` + policy.FixedShare.String() + `"`
 	}
 	req := &resourcev1.ExactDeviceRequest{
-		DeviceClassName: dra.DeviceClassName,
+		DeviceClassName: dranames.DeviceClass,
 		Selectors:       []resourcev1.DeviceSelector{{CEL: &resourcev1.CELDeviceSelector{Expression: sel}}},
 		AllocationMode:  resourcev1.DeviceAllocationModeExactCount,
 		Count:           1,
 	}
 	capacity := map[resourcev1.QualifiedName]resource.Quantity{}
 	if s.mib > 0 {
-		capacity[dra.CapMemory] = resource.MustParse(fmt.Sprintf("%dMi", s.mib))
+		capacity[dranames.CapMemory] = resource.MustParse(fmt.Sprintf("%dMi", s.mib))
 	}
 	if s.count == 0 {
-		capacity[dra.CapCores] = *resource.NewQuantity(int64(s.cores), resource.DecimalSI)
+		capacity[dranames.CapCores] = *resource.NewQuantity(int64(s.cores), resource.DecimalSI)
 	}
 	if len(capacity) > 0 {
 		req.Capacity = &resourcev1.CapacityRequirements{Requests: capacity}
@@ -99,7 +99,7 @@ func (s shape) template(ns string, p policy.Policy) *resourcev1.ResourceClaimTem
 	if s.count > 1 {
 		req.Count = int64(s.count)
 		claim.Constraints = []resourcev1.DeviceConstraint{{Requests: []string{"gpu"},
-			DistinctAttribute: ptr(resourcev1.FullyQualifiedName(dra.DriverName + "/" + string(dra.AttrUUID)))}}
+			DistinctAttribute: ptr(resourcev1.FullyQualifiedName(dranames.Driver + "/" + string(dranames.AttrUUID)))}}
 	}
 	return &resourcev1.ResourceClaimTemplate{
 		ObjectMeta: metav1.ObjectMeta{Name: s.templateName(p), Namespace: ns,

@@ -15,7 +15,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/mgpu-dev/mgpu/internal/policy"
-	"github.com/mgpu-dev/mgpu/kube/dra"
+	"github.com/mgpu-dev/mgpu/kube/dranames"
 )
 
 // translated applies the translation's operations to pod and returns the
@@ -78,8 +78,8 @@ func TestTranslate(t *testing.T) {
 		t.Fatal(err)
 	}
 	r := tmpl.Spec.Spec.Devices.Requests[0].Exactly
-	cores, mem := r.Capacity.Requests[dra.CapCores], r.Capacity.Requests[dra.CapMemory]
-	if r.DeviceClassName != dra.DeviceClassName || cores.Value() != 30 || mem.Value() != 4096<<20 ||
+	cores, mem := r.Capacity.Requests[dranames.CapCores], r.Capacity.Requests[dranames.CapMemory]
+	if r.DeviceClassName != dranames.DeviceClass || cores.Value() != 30 || mem.Value() != 4096<<20 ||
 		r.Selectors[0].CEL.Expression != `device.attributes["gpu.mgpu.io"].policy == "guaranteed-burst-share"` {
 		t.Errorf("template request %+v %+v", r, r.Selectors)
 	}
@@ -208,9 +208,9 @@ func FuzzContainerShape(f *testing.F) {
 		r := tmpl.Spec.Spec.Devices.Requests[0].Exactly
 		hasCores := false
 		if r.Capacity != nil {
-			_, hasCores = r.Capacity.Requests[dra.CapCores]
+			_, hasCores = r.Capacity.Requests[dranames.CapCores]
 		}
-		if r.DeviceClassName != dra.DeviceClassName || r.Count < 1 || (s.count == 0) != hasCores {
+		if r.DeviceClassName != dranames.DeviceClass || r.Count < 1 || (s.count == 0) != hasCores {
 			t.Fatalf("template %+v for %+v", r, s)
 		}
 	})

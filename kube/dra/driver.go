@@ -32,32 +32,28 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/mgpu-dev/mgpu/internal/policy"
+	"github.com/mgpu-dev/mgpu/kube/dranames"
 )
 
-// DriverName is the driver's name: the ResourceSlices' and DeviceClass's
-// driver, and the domain of its attributes and capacities.
-const DriverName = "gpu.mgpu.io"
-
-// DeviceClassName is the DeviceClass the manifests and chart ship.
-const DeviceClassName = "gpu.mgpu.io"
-
-// The device's capacities (consumable) and attributes.
+// The driver's names (package dranames, which the webhook and mgpu-cli
+// use without this package's dependencies).
 const (
-	CapCores     resourceapi.QualifiedName = "cores"
-	CapMemory    resourceapi.QualifiedName = "memory"
-	CapInstances resourceapi.QualifiedName = "instances"
+	DriverName      = dranames.Driver
+	DeviceClassName = dranames.DeviceClass
 
-	AttrIndex     resourceapi.QualifiedName = "index"
-	AttrUUID      resourceapi.QualifiedName = "uuid"
-	AttrModel     resourceapi.QualifiedName = "model"
-	AttrMemoryMiB resourceapi.QualifiedName = "memoryMiB"
-	AttrPolicy    resourceapi.QualifiedName = "policy"
-	AttrSwitch    resourceapi.QualifiedName = "onlineOfflineSwitch"
+	CapCores     = dranames.CapCores
+	CapMemory    = dranames.CapMemory
+	CapInstances = dranames.CapInstances
+
+	AttrIndex     = dranames.AttrIndex
+	AttrUUID      = dranames.AttrUUID
+	AttrModel     = dranames.AttrModel
+	AttrMemoryMiB = dranames.AttrMemoryMiB
+	AttrPolicy    = dranames.AttrPolicy
+	AttrSwitch    = dranames.AttrSwitch
+
+	TaintEnforcerDown = dranames.TaintEnforcerDown
 )
-
-// TaintEnforcerDown is the device taint of a GPU whose enforcer does not
-// answer: no new claim is placed on it (NoSchedule); claims it holds stay.
-const TaintEnforcerDown = DriverName + "/enforcer-down"
 
 // GPU is one GPU the driver publishes.
 type GPU struct {
