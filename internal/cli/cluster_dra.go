@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"slices"
-	"strconv"
 	"strings"
 	"text/tabwriter"
 
@@ -91,9 +90,8 @@ func addShares(out map[string][]draShare, c *resourcev1.ResourceClaim) {
 		}
 	}
 	for _, r := range c.Status.Allocation.Devices.Results {
-		idx, ok := strings.CutPrefix(r.Device, "gpu-")
-		gpu, err := strconv.Atoi(idx)
-		if r.Driver != dranames.Driver || !ok || err != nil || gpu < 0 {
+		gpu, ok := dranames.ParseDeviceName(r.Device)
+		if r.Driver != dranames.Driver || !ok {
 			continue
 		}
 		cores, mem := r.ConsumedCapacity[dranames.CapCores], r.ConsumedCapacity[dranames.CapMemory]

@@ -21,7 +21,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 
 	resourceapi "k8s.io/api/resource/v1"
@@ -67,20 +66,7 @@ type GPU struct {
 }
 
 // DeviceName is the ResourceSlice device of GPU index.
-func DeviceName(index int) string { return "gpu-" + strconv.Itoa(index) }
-
-// parseDeviceName is DeviceName's inverse.
-func parseDeviceName(s string) (int, bool) {
-	v, ok := strings.CutPrefix(s, "gpu-")
-	if !ok {
-		return 0, false
-	}
-	i, err := strconv.Atoi(v)
-	if err != nil || i < 0 || strconv.Itoa(i) != v {
-		return 0, false
-	}
-	return i, true
-}
+func DeviceName(index int) string { return dranames.DeviceName(index) }
 
 // Config is what New needs.
 type Config struct {
@@ -212,13 +198,6 @@ func (d *Driver) SetActive(active bool) {
 	d.republish()
 }
 
-// Active reports whether the driver publishes the GPUs.
-func (d *Driver) Active() bool {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.active
-}
-
 // SetHealth records which GPUs' enforcers answer; a GPU that does not is
 // published with the taint TaintEnforcerDown.
 func (d *Driver) SetHealth(healthy map[int]bool) {
@@ -257,20 +236,6 @@ func (d *Driver) Prepared() int {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return len(d.claims)
-}
-
-// Claims are the prepared claims, by namespace and name.
-func (d *Driver) Claims() []Claim {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	out := make([]Claim, 0, len(d.claims))
-	for _, uid := range sortedKeys(d.claims) {
-		out = append(out, d.claims[uid])
-	}
-	slices.SortFunc(out, func(a, b Claim) int {
-		return strings.Compare(a.Namespace+"/"+a.Name, b.Namespace+"/"+b.Name)
-	})
-	return out
 }
 
 // Claim returns the prepared claim namespace/name: the one reserved for
@@ -384,7 +349,7 @@ func (d *Driver) share(r resourceapi.DeviceRequestAllocationResult) (Share, erro
 	if r.Pool != d.node {
 		return Share{}, fmt.Errorf("device %s is of pool %q, not this node's %q", r.Device, r.Pool, d.node)
 	}
-	i, ok := parseDeviceName(r.Device)
+	i, ok := dranames.ParseDeviceName(r.Device)
 	if !ok {
 		return Share{}, fmt.Errorf("device %q is not one of this node's GPUs", r.Device)
 	}
