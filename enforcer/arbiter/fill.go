@@ -6,15 +6,15 @@ import "time"
 // as the online one, it holds (fills) only while the online pool is quiet.
 
 // fillAt is the time from which the offline pool may hold: the fill grace
-// after the online holder became quiet (the last Tick's time if none
-// holds); Never while the online holder is busy or another online instance
-// is a candidate (one held back by its bucket is not).
+// after the online holder became quiet unless it is sparse, else the last
+// Tick's time; Never while the online holder is busy or another online
+// instance is a candidate (one held back by its bucket is not).
 func (a *Arbiter) fillAt() time.Duration {
 	h := a.on.holder
 	switch {
 	case a.contested || h >= 0 && a.inst[h].quietFrom == Never:
 		return Never
-	case h >= 0:
+	case h >= 0 && !a.inst[h].sparse:
 		return max(a.last, a.inst[h].quietFrom+DefaultFillGrace)
 	}
 	return a.last

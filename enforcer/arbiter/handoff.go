@@ -5,12 +5,10 @@ import (
 	"time"
 )
 
-// The hand-off (docs/arbiter.md §Algorithm, step 6): when the grant leaves
-// A, A's queued tail still runs on the device. The next holder is granted
-// its lead before that tail is estimated to end, or at the first tick that
-// sees A report nothing queued: the two instances' work then does not
-// interleave on a device that time-slices or alternates between processes,
-// and the device stays busy through the hand-off.
+// The hand-off (docs/arbiter.md §Algorithm, step 6): A's queued tail still
+// runs when the grant leaves it; the next holder is granted its lead before
+// that tail is estimated to end, or at the first tick that sees A report
+// nothing queued, so their work does not interleave and the device stays busy.
 
 // longTailPoll is how often the deadlines look for the end of a tail of one
 // long kernel (whose end is only as well known as its launch).
@@ -63,9 +61,7 @@ func (a *Arbiter) tail(i int, now time.Duration) float64 {
 
 // lead is how long before the estimated end of instance i's tail the next
 // holder is granted: DefaultLead (its wake-up), plus one of i's kernels up
-// to a quarter of its queue bound (the shim learns of completions a mark,
-// about a quarter of the bound, at a time, so its reports overstate the
-// queue by about that much).
+// to b/4 (the shim learns of completions a mark, about b/4, at a time).
 func (a *Arbiter) lead(i int) float64 {
 	in := &a.inst[i]
 	return float64(DefaultLead) + min(a.kernel(in), in.bound/4)

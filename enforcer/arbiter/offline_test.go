@@ -184,3 +184,38 @@ func TestOnlineClassIsAdd(t *testing.T) {
 		t.Fatalf("Add %.4f/%.4f, AddClass online %.4f/%.4f", a1, b1, a2, b2)
 	}
 }
+
+// The fill waits the quiet grace G only for an online holder whose last
+// quiet spell was a host gap: it launched again before the fill started,
+// or within G and a wake-up of its spell's start with the fill running. A
+// server between requests, back after milliseconds, has its idle time
+// filled as soon as its queue is seen empty; a step loop's next gap is kept
+// free of offline work, even when the tick that sees it back comes late.
+func TestFillGraceForHostGaps(t *testing.T) {
+	t.Parallel()
+	a := New(Config{Policy: policy.GuaranteedBurstShare})
+	a.AddClass(1, 50, policy.Online)
+	a.AddClass(2, 50, policy.Offline)
+	var launches uint64
+	busy := func(now time.Duration) []int {
+		launches++
+		return a.Tick(now, map[int]Usage{1: {Queued: 500 * us, Launches: launches}, 2: {Waiting: true}})
+	}
+	quiet := func(now, since time.Duration) []int {
+		return a.Tick(now, map[int]Usage{1: {Launches: launches, IdleSince: since}, 2: {Waiting: true}})
+	}
+	only(t, a.Tick(0, map[int]Usage{1: {Waiting: true}, 2: {Waiting: true}}), 1)
+	only(t, busy(ms), 1)
+	only(t, quiet(2*ms, 1900*us), 1) // the first spell: G
+	only(t, quiet(1900*us+DefaultFillGrace+1, 1900*us), 1, 2)
+	only(t, busy(5*ms), 1)              // back after 3.1 ms: no host gap
+	only(t, quiet(6*ms, 5950*us), 1, 2) // filled at once
+	only(t, busy(6100*us), 1)           // back after 150 µs: a host gap
+	only(t, quiet(7*ms, 6950*us), 1)    // G again
+	only(t, quiet(6950*us+DefaultFillGrace+1, 6950*us), 1, 2)
+	only(t, busy(8*ms), 1) // back after 1.05 ms with the fill running
+	only(t, a.Tick(9*ms, map[int]Usage{1: {Launches: launches, IdleSince: 8950 * us}, 2: {}}), 1)
+	only(t, busy(10*ms), 1)            // back after 1.05 ms, no fill in the spell: a late tick
+	only(t, quiet(11*ms, 10950*us), 1) // G again
+	only(t, quiet(10950*us+DefaultFillGrace+1, 10950*us), 1, 2)
+}
