@@ -95,7 +95,7 @@ type instance struct {
 	launchAt        time.Duration // estimated time of its last launch
 	quietFrom       time.Duration // since when nothing queued and nobody waits; Never: busy
 	refilled        bool          // holding, one of its quiet spells ended in a launch (since its grant)
-	sparse          bool          // as a holder, its last quiet spell the fill ran in outlasted G and a wake-up: no host gap (fillAt)
+	longSpells      int           // as a holder, its last quiet spells in a row that the fill ran in and that outlasted G and a wake-up
 	demand          bool
 	joined          bool          // demand at this tick after none at the previous
 	idleFrom        time.Duration // the tick that first saw it without demand
@@ -325,10 +325,13 @@ func (a *Arbiter) observe(i int, usage map[int]Usage, dt, prev, now time.Duratio
 		in.tokens = min(max(in.tokens+in.w*float64(dt)-c, -a.period), a.depth(in))
 	}
 	// A quiet spell of the holder seen at the previous tick, or reported since,
-	// ended in a launch: it refilled (Wake); one the fill ran in decides sparse.
+	// ended in a launch: it refilled (Wake); one seen counts for fillAt.
 	in.refilled = in.refilled || p.holder == i && in.launched > 0 && (in.quietFrom != Never || ok && u.IdleSince > prev)
 	if p.holder == i && in.launched > 0 && in.quietFrom != Never {
-		in.sparse = a.off.holder >= 0 && now-in.quietFrom > DefaultFillGrace+DefaultLead
+		in.longSpells++
+		if a.off.holder < 0 || now-in.quietFrom <= DefaultFillGrace+DefaultLead {
+			in.longSpells = 0
+		}
 	}
 	in.quietFrom = quietFrom(in, u, ok, prev, now)
 	in.demand = in.waiting || (p.holder == i && now < a.dryAt(in, p)) // not dry

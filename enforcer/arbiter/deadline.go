@@ -30,14 +30,12 @@ func (a *Arbiter) dryAt(in *instance, p *pool) time.Duration {
 }
 
 // NextDecision returns the earliest time after the last Tick at which a
-// Tick could move a grant, assuming the holder is charged one nanosecond
-// per nanosecond, nobody else is charged, and nobody starts or stops
-// waiting: the holder's virtual time getting a slice ahead of a
-// candidate's, its bucket running out, a waiting instance's bucket reaching
-// its entry, the holder's dry deadline while contested, a hand-off's grant
-// time, the fill grace's end. It is never late for these and may be early;
-// what it cannot foresee wakes the enforcer (Wake) or is seen at its next
-// tick. Never: nothing is foreseen.
+// Tick could move a grant (the holder's v a slice ahead of a candidate's,
+// a bucket running out or reaching its entry, a contested holder's dry
+// deadline, a hand-off's grant, the fill grace's end), assuming the holder
+// is charged 1 ns per ns and nothing else changes: never late, maybe
+// early; what it cannot foresee wakes the enforcer (Wake) or is seen at
+// its next tick. Never: nothing is foreseen.
 func (a *Arbiter) NextDecision() time.Duration {
 	if !a.started {
 		return Never
@@ -60,9 +58,8 @@ func (a *Arbiter) Urgent() bool {
 		h >= 0 && a.contested && a.inst[h].quietFrom != Never
 }
 
-// Contested reports whether an online candidate waits beside a holder that
-// refilled (step 9), whose going quiet Wake no longer reports: the caller
-// then ticks at least every DefaultTick.
+// Contested reports whether an online candidate waits beside a holder that refilled
+// (step 9), whose quiet Wake no longer reports: ticks at least every DefaultTick.
 func (a *Arbiter) Contested() bool {
 	h := a.on.holder
 	return h >= 0 && a.contested && !a.offWaits && a.inst[h].refilled

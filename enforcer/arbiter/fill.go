@@ -2,19 +2,19 @@ package arbiter
 
 import "time"
 
-// The offline pool (docs/arbiter.md §Algorithm, steps 7 and 9): arbitrated
-// as the online one, it holds (fills) only while the online pool is quiet.
+// The offline pool (docs/arbiter.md §Algorithm, steps 7, 9): it fills only while the online pool is quiet.
 
-// fillAt is the time from which the offline pool may hold: the fill grace
-// after the online holder became quiet unless it is sparse, else the last
-// Tick's time; Never while the online holder is busy or another online
-// instance is a candidate (one held back by its bucket is not).
+const sparseSpells = 2 // long quiet spells in a row that make a holder sparse (step 7)
+
+// fillAt is when the offline pool may hold: G after the online holder went
+// quiet unless it is sparse (and not fillOne), else the last Tick's time;
+// Never while it is busy or an online candidate waits (not one its bucket holds back).
 func (a *Arbiter) fillAt() time.Duration {
 	h := a.on.holder
 	switch {
 	case a.contested || h >= 0 && a.inst[h].quietFrom == Never:
 		return Never
-	case h >= 0 && !a.inst[h].sparse:
+	case h >= 0 && (a.fillOne || a.inst[h].longSpells < sparseSpells):
 		return max(a.last, a.inst[h].quietFrom+DefaultFillGrace)
 	}
 	return a.last

@@ -185,17 +185,16 @@ func TestOnlineClassIsAdd(t *testing.T) {
 	}
 }
 
-// The fill waits the quiet grace G only for an online holder whose last
-// quiet spell was a host gap: it launched again before the fill started,
-// or within G and a wake-up of its spell's start with the fill running. A
-// server between requests, back after milliseconds, has its idle time
-// filled as soon as its queue is seen empty; a step loop's next gap is kept
-// free of offline work, even when the tick that sees it back comes late.
+// The fill waits the quiet grace G only until an online holder is sparse:
+// its last two quiet spells ran the fill in them and outlasted G and a
+// wake-up. A server between requests, back after milliseconds, has its idle
+// time filled as soon as its queue is seen empty from its third request on;
+// a step loop's gaps are kept free of offline work: it comes back before the
+// fill starts, one stall that lets the fill in does not make it sparse, and
+// a tick that sees it back late, without the fill, says nothing.
 func TestFillGraceForHostGaps(t *testing.T) {
 	t.Parallel()
-	a := New(Config{Policy: policy.GuaranteedBurstShare})
-	a.AddClass(1, 50, policy.Online)
-	a.AddClass(2, 50, policy.Offline)
+	a := fillGraceArbiter(false)
 	var launches uint64
 	busy := func(now time.Duration) []int {
 		launches++
@@ -204,18 +203,48 @@ func TestFillGraceForHostGaps(t *testing.T) {
 	quiet := func(now, since time.Duration) []int {
 		return a.Tick(now, map[int]Usage{1: {Launches: launches, IdleSince: since}, 2: {Waiting: true}})
 	}
+	// graced checks a quiet spell from since on at which the fill waits G.
+	graced := func(since time.Duration) {
+		t.Helper()
+		only(t, quiet(since+50*us, since), 1)
+		only(t, quiet(since+DefaultFillGrace+1, since), 1, 2)
+	}
 	only(t, a.Tick(0, map[int]Usage{1: {Waiting: true}, 2: {Waiting: true}}), 1)
 	only(t, busy(ms), 1)
-	only(t, quiet(2*ms, 1900*us), 1) // the first spell: G
-	only(t, quiet(1900*us+DefaultFillGrace+1, 1900*us), 1, 2)
-	only(t, busy(5*ms), 1)              // back after 3.1 ms: no host gap
-	only(t, quiet(6*ms, 5950*us), 1, 2) // filled at once
-	only(t, busy(6100*us), 1)           // back after 150 µs: a host gap
-	only(t, quiet(7*ms, 6950*us), 1)    // G again
-	only(t, quiet(6950*us+DefaultFillGrace+1, 6950*us), 1, 2)
-	only(t, busy(8*ms), 1) // back after 1.05 ms with the fill running
-	only(t, a.Tick(9*ms, map[int]Usage{1: {Launches: launches, IdleSince: 8950 * us}, 2: {}}), 1)
-	only(t, busy(10*ms), 1)            // back after 1.05 ms, no fill in the spell: a late tick
-	only(t, quiet(11*ms, 10950*us), 1) // G again
-	only(t, quiet(10950*us+DefaultFillGrace+1, 10950*us), 1, 2)
+	graced(1900 * us)                    // the first spell
+	only(t, busy(5*ms), 1)               // back after 3.1 ms, the fill running
+	graced(5950 * us)                    // one long spell: a step loop's stall, say
+	only(t, busy(9*ms), 1)               // a second in a row: sparse
+	only(t, quiet(10*ms, 9950*us), 1, 2) // filled at once
+	only(t, busy(10100*us), 1)           // back after 150 µs: a host gap
+	graced(10950 * us)
+	only(t, busy(14*ms), 1)
+	graced(14950 * us)
+	only(t, busy(18*ms), 1) // sparse again
+	only(t, a.Tick(19*ms, map[int]Usage{1: {Launches: launches, IdleSince: 18950 * us}, 2: {}}), 1)
+	only(t, busy(20*ms), 1) // back after 1.05 ms, no fill in the spell: a late tick
+	graced(20950 * us)
+}
+
+// Under FillOneAtATime (online_offline_switch 2, latency first) the fill
+// waits G after every quiet spell: a request that comes back at once (one
+// running late) finds no offline kernel that G could have kept out.
+func TestFillGraceLatencyFirst(t *testing.T) {
+	t.Parallel()
+	a := fillGraceArbiter(true)
+	only(t, a.Tick(0, map[int]Usage{1: {Waiting: true}, 2: {Waiting: true}}), 1)
+	for i, at := range []time.Duration{ms, 5 * ms, 9 * ms} { // spells of 3.1 ms with the fill in them
+		only(t, a.Tick(at, map[int]Usage{1: {Queued: 500 * us, Launches: uint64(i + 1)}, 2: {Waiting: true}}), 1)
+		q := at + 900*us
+		only(t, a.Tick(at+ms, map[int]Usage{1: {Launches: uint64(i + 1), IdleSince: q}, 2: {Waiting: true}}), 1)
+		only(t, a.Tick(q+DefaultFillGrace+1, map[int]Usage{1: {Launches: uint64(i + 1), IdleSince: q}, 2: {Waiting: true}}), 1, 2)
+	}
+}
+
+// fillGraceArbiter is an online instance 1 and an offline instance 2.
+func fillGraceArbiter(one bool) *Arbiter {
+	a := New(Config{Policy: policy.GuaranteedBurstShare, FillOneAtATime: one})
+	a.AddClass(1, 50, policy.Online)
+	a.AddClass(2, 50, policy.Offline)
+	return a
 }
